@@ -1,0 +1,473 @@
+#include "backend.hpp"
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/exception.h>
+
+#include "transport_shm.hpp"
+
+#ifdef ODC_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "transport_cuda_ipc.hpp"
+#endif
+
+namespace odc {
+namespace {
+
+constexpr size_t kDefaultChunkCpu = 1 << 20;
+constexpr size_t kDefaultChunkCuda = 32 << 20;
+constexpr int kDefaultSlots = 4;
+constexpr int kDefaultReduceBlocks = 16;
+
+// The Work of a one-sided collective. CPU work is complete when returned; CUDA
+// work completes on the operation's stream, and wait() only makes the caller's
+// current stream wait for it (the CPU never blocks).
+class OdcWork final : public c10d::Work {
+ public:
+  OdcWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
+          std::vector<at::Tensor> keep_alive, c10::intrusive_ptr<c10::ivalue::Future> future,
+          Transport* transport)
+      : Work(rank, type),
+        outputs_(std::move(outputs)),
+        keep_alive_(std::move(keep_alive)),
+        future_(std::move(future)),
+        transport_(transport) {}
+
+#ifdef ODC_WITH_CUDA
+  void set_done_event(std::shared_ptr<at::cuda::CUDAEvent> ev, c10::DeviceIndex dev) {
+    done_ = std::move(ev);
+    device_ = dev;
+  }
+#endif
+
+  bool isCompleted() override {
+    raise_async_error();
+#ifdef ODC_WITH_CUDA
+    if (done_) return done_->query();
+#endif
+    return true;
+  }
+  bool isSuccess() const override { return true; }
+
+  bool wait(std::chrono::milliseconds /*timeout*/) override {
+    raise_async_error();
+#ifdef ODC_WITH_CUDA
+    if (done_) done_->block(c10::cuda::getCurrentCUDAStream(device_));
+#endif
+    return true;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+ private:
+  void raise_async_error() {
+    const std::string err = transport_->async_error();
+    if (!err.empty()) C10_THROW_ERROR(DistBackendError, err);
+  }
+
+  std::vector<at::Tensor> outputs_;
+  std::vector<at::Tensor> keep_alive_;  // inputs stay alive until the work is dropped
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  Transport* transport_;
+#ifdef ODC_WITH_CUDA
+  std::shared_ptr<at::cuda::CUDAEvent> done_;
+  c10::DeviceIndex device_ = 0;
+#endif
+};
+
+DType to_dtype(at::ScalarType t, const char* api) {
+  switch (t) {
+    case at::kFloat: return DType::F32;
+    case at::kBFloat16: return DType::BF16;
+    case at::kHalf: return DType::F16;
+    default:
+      TORCH_CHECK_TYPE(false, "odc: ", api, " supports float32, bfloat16 and float16, got ",
+                       c10::toString(t));
+  }
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << c10::toString(t.scalar_type()) << t.sizes() << " on " << t.device();
+  return os.str();
+}
+
+}  // namespace
+
+OdcBackend::OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                       std::chrono::milliseconds timeout, std::string group_name,
+                       InnerFactory inner, Knobs knobs)
+    : Backend(rank, size),
+      store_(std::move(store)),
+      timeout_(timeout),
+      group_name_(std::move(group_name)),
+      inner_factory_(std::move(inner)),
+      knobs_(knobs) {}
+
+OdcBackend::~OdcBackend() {
+#ifdef ODC_WITH_CUDA
+  // Device work may still reference the windows: finish it before unmapping.
+  for (auto& [type, ch] : channels_) {
+    if (type == c10::kCUDA) {
+      c10::cuda::CUDAGuard g(ch.device.index());
+      (void)cudaDeviceSynchronize();
+      if (ch.async_stream) (void)cudaStreamDestroy(static_cast<cudaStream_t>(ch.async_stream));
+    }
+  }
+#endif
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> OdcBackend::getBackendOptions() {
+  auto o = c10::make_intrusive<Options>("odc", timeout_);
+  o->group_name = group_name_;
+  return o;
+}
+
+static const char* kNoDeviceId =
+    "odc does not support init_process_group(device_id=...): with a bound device, "
+    "DeviceMesh and new_group split the group, which odc does not implement. Remove "
+    "device_id and call torch.cuda.set_device(local_rank) before init_process_group; "
+    "init_device_mesh and new_group then work as usual.";
+
+void OdcBackend::eagerConnectSingleDevice(at::Device) { TORCH_CHECK(false, kNoDeviceId); }
+
+c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10d::Store>&,
+                                                    const std::vector<int>&,
+                                                    const c10::intrusive_ptr<Options>&) {
+  TORCH_CHECK(false, kNoDeviceId);
+}
+
+void OdcBackend::check_usable() {
+  TORCH_CHECK(broken_.empty(), "odc: group '", group_name_,
+              "' is unusable after an earlier communication error: ", broken_);
+}
+
+Channel& OdcBackend::channel(const c10::Device& device) {
+  auto it = channels_.find(device.type());
+  if (it != channels_.end()) {
+    TORCH_CHECK_VALUE(it->second.device == device, "odc: group '", group_name_,
+                      "' moves data on ", it->second.device, " but got a tensor on ", device,
+                      "; use one device per process (torch.cuda.set_device)");
+    return it->second;
+  }
+  Channel ch;
+  ch.device = device;
+  const bool cuda = device.is_cuda();
+  TransportArgs a;
+  a.store = store_;
+  a.rank = getRank();
+  a.world = getSize();
+  a.timeout = timeout_;
+  a.key_prefix = cuda ? "odc_cuda/" : "odc_shm/";
+  const size_t chunk = knobs_.chunk_bytes ? knobs_.chunk_bytes
+                                          : (cuda ? kDefaultChunkCuda : kDefaultChunkCpu);
+  const int slots = knobs_.ring_slots ? knobs_.ring_slots : kDefaultSlots;
+  try {
+    a.layout = WindowLayout(getSize(), chunk, slots);
+    if (cuda) {
+#ifdef ODC_WITH_CUDA
+      const int blocks = knobs_.reduce_blocks ? knobs_.reduce_blocks : kDefaultReduceBlocks;
+      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks);
+      c10::cuda::CUDAGuard g(device.index());
+      cudaStream_t s;
+      int lo = 0, hi = 0;
+      C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+      C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi));
+      ch.async_stream = s;
+#else
+      TORCH_CHECK(false, "odc: this build of torch_odc_backend has no CUDA support (it was "
+                         "built against a CPU-only torch); rebuild it where torch has CUDA");
+#endif
+    } else {
+      TORCH_CHECK_VALUE(device.is_cpu(), "odc: unsupported device ", device,
+                        " (odc moves CPU and CUDA tensors)");
+      ch.transport = std::make_unique<ShmTransport>(a);
+    }
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "odc: could not set up the ", (cuda ? "CUDA IPC" : "shared-memory"),
+                " transport of group '", group_name_, "' (", a.layout.total >> 20,
+                " MiB window): ", e.what());
+  }
+  ch.protocol = std::make_unique<Protocol>(getRank(), getSize(), a.layout, ch.transport.get());
+  return channels_.emplace(device.type(), std::move(ch)).first->second;
+}
+
+c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor>& outputs,
+                                               std::vector<at::Tensor>& inputs, bool async_op,
+                                               const c10d::ReduceOp* op, const char* api) {
+  const bool ag = kind == Kind::AllGather;
+  const int world = getSize();
+  // ---- Validate everything before anything is enqueued.
+  TORCH_CHECK_VALUE(!inputs.empty() && inputs.size() == outputs.size(), "odc: ", api,
+                    " needs as many outputs as inputs (got ", outputs.size(), " and ",
+                    inputs.size(), ")");
+  const c10::Device device = inputs[0].device();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& in = inputs[i];
+    const at::Tensor& out = outputs[i];
+    TORCH_CHECK_VALUE(in.defined() && out.defined(), "odc: ", api, ": undefined tensor");
+    TORCH_CHECK_VALUE(in.device() == device && out.device() == device, "odc: ", api,
+                      ": all tensors must be on one device, got input ", describe(in),
+                      " and output ", describe(out));
+    TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "odc: ", api,
+                      ": unsupported device ", device);
+    TORCH_CHECK_VALUE(in.is_contiguous() && out.is_contiguous(), "odc: ", api,
+                      ": tensors must be contiguous (input ", describe(in), " contiguous=",
+                      in.is_contiguous(), ", output contiguous=", out.is_contiguous(),
+                      "); call .contiguous() first");
+    TORCH_CHECK_TYPE(in.scalar_type() == out.scalar_type(), "odc: ", api,
+                     ": input and output dtype differ (", c10::toString(in.scalar_type()),
+                     " vs ", c10::toString(out.scalar_type()), ")");
+    const int64_t big = ag ? out.numel() : in.numel();
+    const int64_t small = ag ? in.numel() : out.numel();
+    TORCH_CHECK_VALUE(big == small * world, "odc: ", api, ": size mismatch: ",
+                      ag ? "output" : "input", " has ", big, " elements but must have ",
+                      ag ? "input" : "output", " size x world size = ", small, " x ", world);
+    if (!ag) to_dtype(in.scalar_type(), api);
+  }
+  ReduceSpec spec;
+  at::Tensor factor;
+  if (!ag) {
+    spec.dtype = to_dtype(inputs[0].scalar_type(), api);
+    switch (op->op_) {
+      case c10d::ReduceOp::SUM: spec.scale = 1.0; break;
+      case c10d::ReduceOp::AVG: spec.scale = 1.0 / world; break;
+      case c10d::ReduceOp::PREMUL_SUM: {
+        auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op->supplement_.get());
+        TORCH_CHECK_VALUE(sup, "odc: ", api, ": PREMUL_SUM without a factor");
+        if (sup->tensor_factor.defined()) {
+          factor = sup->tensor_factor.to(device, inputs[0].scalar_type()).contiguous();
+          spec.scale_ptr = factor.data_ptr();
+        } else {
+          spec.scale = sup->double_factor;
+        }
+        break;
+      }
+      default:
+        TORCH_CHECK_VALUE(false, "odc: ", api, ": unsupported reduce op ",
+                          static_cast<int>(op->op_),
+                          " (odc reduce-scatter supports SUM, AVG and PREMUL_SUM; MAX, MIN, "
+                          "PRODUCT and bitwise ops are not supported)");
+    }
+  }
+
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable();
+  Channel& ch = channel(device);
+  {
+    const std::string err = ch.transport->async_error();
+    if (!err.empty()) {
+      broken_ = err;
+      C10_THROW_ERROR(DistBackendError, err);
+    }
+  }
+  const uint64_t seq = ++seq_;
+  void* stream = nullptr;
+#ifdef ODC_WITH_CUDA
+  c10::optional<c10::cuda::CUDAStream> op_stream;
+  if (device.is_cuda()) {
+    auto current = c10::cuda::getCurrentCUDAStream(device.index());
+    op_stream = current;
+    if (async_op) {
+      op_stream = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(ch.async_stream),
+                                                   device.index());
+      at::cuda::CUDAEvent ready;
+      ready.record(current);
+      ready.block(*op_stream);
+    }
+    stream = op_stream->stream();
+  }
+#endif
+  uint64_t bytes = 0;
+  try {
+    ch.transport->begin_op(stream);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const size_t elem = inputs[i].element_size();
+      if (ag) {
+        const size_t shard = inputs[i].numel() * elem;
+        ch.protocol->all_gather(outputs[i].data_ptr(), inputs[i].data_ptr(), shard, seq);
+        bytes += shard * world;
+      } else {
+        ch.protocol->reduce_scatter(outputs[i].data_ptr(), inputs[i].data_ptr(),
+                                    outputs[i].numel(), elem, spec, seq);
+        bytes += inputs[i].numel() * elem;
+      }
+    }
+    ch.transport->end_op();
+  } catch (const CommError& e) {
+    broken_ = e.what();
+    C10_THROW_ERROR(DistBackendError, broken_);
+  }
+  stats_[ag ? "all_gather_ops" : "reduce_scatter_ops"] += 1;
+  stats_[ag ? "all_gather_bytes" : "reduce_scatter_bytes"] += bytes;
+
+  std::vector<at::Tensor> keep(inputs.begin(), inputs.end());
+  if (factor.defined()) keep.push_back(factor);
+  const auto type = inputs.size() > 1 ? c10d::OpType::COALESCED
+                    : ag              ? c10d::OpType::_ALLGATHER_BASE
+                                      : c10d::OpType::_REDUCE_SCATTER_BASE;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  auto list_type = c10::ListType::create(c10::TensorType::get());
+#ifdef ODC_WITH_CUDA
+  if (device.is_cuda()) {
+    if (async_op) {
+      // Tensors are used on a stream the caching allocator does not know about.
+      for (auto* ts : {&inputs, &outputs}) {
+        for (auto& t : *ts) {
+          c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *op_stream);
+        }
+      }
+    }
+    c10::cuda::CUDAStreamGuard guard(*op_stream);
+    future = c10::make_intrusive<c10::ivalue::Future>(list_type,
+                                                      std::vector<c10::Device>{device});
+    future->markCompleted(c10::IValue(outputs));  // records its event on op_stream
+    auto done = std::make_shared<at::cuda::CUDAEvent>();
+    done->record(*op_stream);
+    auto work = c10::make_intrusive<OdcWork>(getRank(), type, outputs, std::move(keep), future,
+                                             ch.transport.get());
+    work->set_done_event(std::move(done), device.index());
+    return work;
+  }
+#endif
+  future = c10::make_intrusive<c10::ivalue::Future>(list_type);
+  future->markCompleted(c10::IValue(outputs));
+  return c10::make_intrusive<OdcWork>(getRank(), type, outputs, std::move(keep), future,
+                                      ch.transport.get());
+}
+
+c10::intrusive_ptr<c10d::Work> OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                           const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> outs{output}, ins{input};
+  return run(Kind::AllGather, outs, ins, opts.asyncOp, nullptr, "all_gather_into_tensor");
+}
+
+c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return run(Kind::AllGather, outputs, inputs, opts.asyncOp, nullptr,
+             "allgather_into_tensor_coalesced");
+}
+
+c10::intrusive_ptr<c10d::Work> OdcBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> outs{output}, ins{input};
+  return run(Kind::ReduceScatter, outs, ins, opts.asyncOp, &opts.reduceOp,
+             "reduce_scatter_tensor");
+}
+
+c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return run(Kind::ReduceScatter, outputs, inputs, opts.asyncOp, &opts.reduceOp,
+             "reduce_scatter_tensor_coalesced");
+}
+
+// ---- Delegation to the inner backend of the tensors' device type.
+
+c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
+  static std::mutex inner_mu;  // factories run Python; creation must not interleave
+  std::lock_guard<std::mutex> lock(inner_mu);
+  auto it = inners_.find(type);
+  if (it != inners_.end()) return it->second;
+  TORCH_CHECK(inner_factory_, "odc: no inner backend factory for delegated collectives");
+  auto b = inner_factory_(type == c10::kCUDA ? "cuda" : "cpu");
+  TORCH_CHECK(b, "odc: could not create the inner backend for ", c10::DeviceTypeName(type));
+  inners_[type] = b;
+  return b;
+}
+
+namespace {
+c10::DeviceType type_of(const std::vector<at::Tensor>& ts) {
+  TORCH_CHECK_VALUE(!ts.empty(), "odc: collective called with no tensors");
+  return ts[0].device().type();
+}
+}  // namespace
+
+#define ODC_DELEGATE(device_type, call)       \
+  do {                                        \
+    stats_["delegated_ops"] += 1;             \
+    return inner(device_type)->call;          \
+  } while (0)
+
+c10::intrusive_ptr<c10d::Work> OdcBackend::broadcast(std::vector<at::Tensor>& t,
+                                                     const c10d::BroadcastOptions& o) {
+  ODC_DELEGATE(type_of(t), broadcast(t, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce(std::vector<at::Tensor>& t,
+                                                     const c10d::AllreduceOptions& o) {
+  ODC_DELEGATE(type_of(t), allreduce(t, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o) {
+  ODC_DELEGATE(type_of(t), allreduce_coalesced(t, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::reduce(std::vector<at::Tensor>& t,
+                                                  const c10d::ReduceOptions& o) {
+  ODC_DELEGATE(type_of(t), reduce(t, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::allgather(std::vector<std::vector<at::Tensor>>& out,
+                                                     std::vector<at::Tensor>& in,
+                                                     const c10d::AllgatherOptions& o) {
+  ODC_DELEGATE(type_of(in), allgather(out, in, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
+    const c10d::AllgatherOptions& o) {
+  ODC_DELEGATE(type_of(in), allgather_coalesced(out, in, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::gather(std::vector<std::vector<at::Tensor>>& out,
+                                                  std::vector<at::Tensor>& in,
+                                                  const c10d::GatherOptions& o) {
+  ODC_DELEGATE(type_of(in), gather(out, in, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::scatter(std::vector<at::Tensor>& out,
+                                                   std::vector<std::vector<at::Tensor>>& in,
+                                                   const c10d::ScatterOptions& o) {
+  ODC_DELEGATE(type_of(out), scatter(out, in, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter(
+    std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
+    const c10d::ReduceScatterOptions& o) {
+  ODC_DELEGATE(type_of(out), reduce_scatter(out, in, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall_base(at::Tensor& out, at::Tensor& in,
+                                                         std::vector<int64_t>& os,
+                                                         std::vector<int64_t>& is,
+                                                         const c10d::AllToAllOptions& o) {
+  ODC_DELEGATE(in.device().type(), alltoall_base(out, in, os, is, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall(std::vector<at::Tensor>& out,
+                                                    std::vector<at::Tensor>& in,
+                                                    const c10d::AllToAllOptions& o) {
+  ODC_DELEGATE(type_of(in), alltoall(out, in, o));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::send(std::vector<at::Tensor>& t, int dst, int tag) {
+  ODC_DELEGATE(type_of(t), send(t, dst, tag));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::recv(std::vector<at::Tensor>& t, int src, int tag) {
+  ODC_DELEGATE(type_of(t), recv(t, src, tag));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::recvAnysource(std::vector<at::Tensor>& t, int tag) {
+  ODC_DELEGATE(type_of(t), recvAnysource(t, tag));
+}
+c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o) {
+  // A host barrier is a barrier for every rank; with a CUDA device named, use the
+  // CUDA inner backend so device work is ordered as NCCL's barrier orders it.
+  const bool cuda = (o.device && o.device->is_cuda()) || !o.device_ids.empty();
+  ODC_DELEGATE(cuda ? c10::kCUDA : c10::kCPU, barrier(o));
+}
+
+#undef ODC_DELEGATE
+
+std::map<std::string, uint64_t> OdcBackend::stats() const { return stats_; }
+
+}  // namespace odc

@@ -1,0 +1,138 @@
+// OdcBackend: the c10d backend registered as "odc".
+//
+// All-gather and reduce-scatter (and their coalesced forms) run on the
+// one-sided protocol over a transport chosen by tensor device: host shared
+// memory for CPU tensors, CUDA IPC for GPU tensors. Every other collective is
+// delegated to an inner backend (gloo for CPU, NCCL for CUDA) created lazily by
+// a factory the Python layer provides.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "protocol.hpp"
+#include "transport.hpp"
+
+namespace odc {
+
+using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::string&)>;
+
+struct Knobs {
+  size_t chunk_bytes = 0;  // 0: per-device default
+  int ring_slots = 0;
+  int reduce_blocks = 0;
+};
+
+// One transport + protocol per device type this group has moved data on.
+struct Channel {
+  std::unique_ptr<Transport> transport;
+  std::unique_ptr<Protocol> protocol;
+  c10::Device device{c10::kCPU};
+  void* async_stream = nullptr;  // CUDA: the side stream async ops run on
+};
+
+class OdcBackend final : public c10d::Backend {
+ public:
+  OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+             std::chrono::milliseconds timeout, std::string group_name, InnerFactory inner,
+             Knobs knobs);
+  ~OdcBackend() override;
+
+  const std::string getBackendName() const override { return "odc"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  // Splitting is claimed only so that init_process_group(device_id=...) reaches
+  // eagerConnectSingleDevice, which refuses it with a message saying what to do.
+  bool supportsSplitting() const override { return true; }
+  void eagerConnectSingleDevice(at::Device device) override;
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return seq_; }
+
+  // One-sided collectives.
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+
+  // Delegated collectives.
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Counters for tests and monitoring: ops and bytes moved one-sidedly.
+  std::map<std::string, uint64_t> stats() const;
+  // The inner backend for a device type ("cpu" / "cuda"), created on first use.
+  c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);
+
+ private:
+  enum class Kind { AllGather, ReduceScatter };
+  c10::intrusive_ptr<c10d::Work> run(Kind kind, std::vector<at::Tensor>& outputs,
+                                     std::vector<at::Tensor>& inputs, bool async_op,
+                                     const c10d::ReduceOp* op, const char* api);
+  Channel& channel(const c10::Device& device);
+  void check_usable();
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
+  std::string group_name_;
+  InnerFactory inner_factory_;
+  Knobs knobs_;
+  std::map<c10::DeviceType, Channel> channels_;
+  std::map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>> inners_;
+  std::mutex mu_;  // ops on one group may be issued from several threads
+  std::string broken_;  // set once a communication error left the group unusable
+  uint64_t seq_ = 0;
+  std::map<std::string, uint64_t> stats_;
+};
+
+}  // namespace odc

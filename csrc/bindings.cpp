@@ -1,0 +1,61 @@
+// Python bindings: the OdcBackend class (a c10d Backend) and build facts.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "backend.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+// Wrap a Python callable so C++ may call it (and drop it) from any thread.
+odc::InnerFactory wrap_factory(py::object fn) {
+  if (fn.is_none()) return nullptr;
+  std::shared_ptr<py::object> holder(new py::object(std::move(fn)), [](py::object* o) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete o;
+    }  // else: the interpreter is gone; leaking the reference is the only safe choice
+  });
+  return [holder](const std::string& device) {
+    py::gil_scoped_acquire gil;
+    return (*holder)(device).cast<c10::intrusive_ptr<c10d::Backend>>();
+  };
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch_odc_backend native core";
+  py::module::import("torch.distributed");  // registers c10d's Backend and Store types
+
+  py::class_<odc::OdcBackend, c10d::Backend, c10::intrusive_ptr<odc::OdcBackend>>(m, "OdcBackend")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout, std::string group_name,
+                       py::object inner_factory, size_t chunk_bytes, int ring_slots,
+                       int reduce_blocks) {
+             odc::Knobs k{chunk_bytes, ring_slots, reduce_blocks};
+             return c10::make_intrusive<odc::OdcBackend>(store, rank, size, timeout,
+                                                         std::move(group_name),
+                                                         wrap_factory(std::move(inner_factory)), k);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::arg("group_name"), py::arg("inner_factory"), py::arg("chunk_bytes") = 0,
+           py::arg("ring_slots") = 0, py::arg("reduce_blocks") = 0)
+      .def("stats", &odc::OdcBackend::stats,
+           "Counters of this group: one-sided ops and bytes, delegated ops.")
+      .def(
+          "inner",
+          [](odc::OdcBackend& self, const std::string& device) {
+            return self.inner(device == "cuda" ? c10::kCUDA : c10::kCPU);
+          },
+          py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+          "The inner backend that takes this group's delegated collectives on a device type.");
+
+#ifdef ODC_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+}

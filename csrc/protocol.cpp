@@ -1,0 +1,136 @@
+#include "protocol.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace odc {
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::F32: return "float32";
+    case DType::BF16: return "bfloat16";
+    case DType::F16: return "float16";
+  }
+  return "?";
+}
+
+WindowLayout::WindowLayout(int world_, size_t chunk_bytes_, int slots_)
+    : world(world_), chunk_bytes(chunk_bytes_), slots(slots_) {
+  if (world <= 0 || slots <= 0 || chunk_bytes == 0 || chunk_bytes % 16 != 0) {
+    throw std::invalid_argument(
+        "odc: invalid window geometry (chunk bytes must be a positive multiple of 16, "
+        "ring slots positive)");
+  }
+  const size_t flags = static_cast<size_t>(kNumFlagArrays) * world * kFlagStride;
+  ag_ring = (flags + 4095) / 4096 * 4096;
+  rs_ring = ag_ring + static_cast<size_t>(slots) * chunk_bytes;
+  total = rs_ring + static_cast<size_t>(world) * slots * chunk_bytes;
+}
+
+Protocol::Protocol(int rank, int world, const WindowLayout& layout, Transport* transport)
+    : rank_(rank), world_(world), layout_(layout), t_(transport) {}
+
+uint64_t* Protocol::flag_in(int owner, WindowLayout::Flag kind, int index) {
+  return reinterpret_cast<uint64_t*>(t_->window(owner) + layout_.flag(kind, index));
+}
+
+std::vector<const uint64_t*> Protocol::my_flags(WindowLayout::Flag kind, bool include_self) {
+  std::vector<const uint64_t*> out;
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_ || include_self) out.push_back(flag_in(rank_, kind, p));
+  }
+  return out;
+}
+
+std::vector<int> Protocol::peers_but_me() const {
+  std::vector<int> out;
+  for (int p = 0; p < world_; ++p) if (p != rank_) out.push_back(p);
+  return out;
+}
+
+// For chunk k: the owner publishes it into its AG ring (waiting only if a reader
+// still holds the slot from `slots` chunks ago), then this rank gets chunk k of
+// every peer on that peer's lane. Issuing publish(k) before get(k) in this order
+// is deadlock-free even when executed sequentially by a host transport.
+void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_t op_seq) {
+  char* out_b = static_cast<char*>(out);
+  const char* in_b = static_cast<const char*>(in);
+  char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
+  if (my_part != in_b && shard_bytes > 0) t_->copy(0, my_part, in_b, shard_bytes);
+  if (world_ == 1) return;
+
+  const size_t C = layout_.chunk_bytes;
+  const uint64_t nchunks = (shard_bytes + C - 1) / C;
+  const auto readers = my_flags(WindowLayout::AgAck, false);
+  const auto peers = peers_but_me();
+  std::vector<uint64_t*> ready_at_readers;
+  for (int p : peers) ready_at_readers.push_back(flag_in(p, WindowLayout::AgReady, rank_));
+
+  for (uint64_t k = 0; k < nchunks; ++k) {
+    const uint64_t g = ag_chunks_ + k;
+    const size_t off = k * C;
+    const size_t len = std::min(C, shard_bytes - off);
+    if (g >= static_cast<uint64_t>(layout_.slots)) {
+      t_->wait(0, readers, peers, g - layout_.slots + 1,
+               {"all_gather", "ring space held by", op_seq});
+    }
+    t_->copy(0, t_->window(rank_) + layout_.ag_slot(g), in_b + off, len);
+    t_->signal(0, ready_at_readers, g + 1);
+
+    for (int i = 1; i < world_; ++i) {
+      const int p = (rank_ + i) % world_;
+      t_->wait(i, {flag_in(rank_, WindowLayout::AgReady, p)}, {p}, g + 1,
+               {"all_gather", "data from", op_seq});
+      t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes + off,
+               t_->window(p) + layout_.ag_slot(g), len);
+      t_->signal(i, {flag_in(p, WindowLayout::AgAck, rank_)}, g + 1);
+    }
+  }
+  ag_chunks_ += nchunks;
+}
+
+// For chunk k: put this rank's contribution for every owner into that owner's
+// landing ring for us (waiting only if the owner has not yet consumed the slot
+// from `slots` chunks ago), then reduce our own chunk once every contribution
+// has landed, in rank order, and free the landing slots.
+void Protocol::reduce_scatter(void* out, const void* in, size_t out_numel, size_t elem_size,
+                              const ReduceSpec& spec, uint64_t op_seq) {
+  char* out_b = static_cast<char*>(out);
+  const char* in_b = static_cast<const char*>(in);
+  const size_t part_bytes = out_numel * elem_size;
+  const size_t C = layout_.chunk_bytes;  // multiple of 16, so of every element size
+  const uint64_t nchunks = (part_bytes + C - 1) / C;
+  const auto peers = peers_but_me();
+  const auto landed = my_flags(WindowLayout::RsReady, false);
+  std::vector<uint64_t*> free_at_senders;
+  for (int p : peers) free_at_senders.push_back(flag_in(p, WindowLayout::RsFree, rank_));
+
+  for (uint64_t k = 0; k < nchunks; ++k) {
+    const uint64_t g = rs_chunks_ + k;
+    const size_t off = k * C;
+    const size_t len = std::min(C, part_bytes - off);
+    for (int i = 1; i < world_; ++i) {
+      const int p = (rank_ + i) % world_;
+      if (g >= static_cast<uint64_t>(layout_.slots)) {
+        t_->wait(i, {flag_in(rank_, WindowLayout::RsFree, p)}, {p}, g - layout_.slots + 1,
+                 {"reduce_scatter", "landing space at", op_seq});
+      }
+      t_->copy(i, t_->window(p) + layout_.rs_slot(rank_, g),
+               in_b + static_cast<size_t>(p) * part_bytes + off, len);
+      t_->signal(i, {flag_in(p, WindowLayout::RsReady, rank_)}, g + 1);
+    }
+    if (world_ > 1) {
+      t_->wait(0, landed, peers, g + 1, {"reduce_scatter", "data from", op_seq});
+    }
+    std::vector<const void*> srcs;
+    for (int src = 0; src < world_; ++src) {
+      srcs.push_back(src == rank_ ? in_b + static_cast<size_t>(rank_) * part_bytes + off
+                                  : t_->window(rank_) + layout_.rs_slot(src, g));
+    }
+    t_->reduce(0, out_b + off, srcs, len / elem_size, spec);
+    if (world_ > 1) t_->signal(0, free_at_senders, g + 1);
+  }
+  rs_chunks_ += nchunks;
+}
+
+}  // namespace odc

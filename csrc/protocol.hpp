@@ -1,0 +1,123 @@
+// The one-sided protocol shared by every transport.
+//
+// Each rank owns a *window*: memory its peers can read and write directly (host
+// shared memory, or CUDA IPC). A window holds monotonically increasing 64-bit
+// counters ("flags") and two data rings:
+//   * the AG ring: the owner publishes its shard chunk by chunk; readers *get*
+//     chunks straight from it (the owner takes no part in a get);
+//   * the RS landing rings, one per source: a sender *puts* its contribution
+//     chunk into the owner's ring, and the owner reduces the landed chunks.
+// Every flag lives in the window of the rank that waits on it, so waits poll
+// local memory and signals are single remote stores of a counter value (no
+// remote atomics). Buffer reuse is protected by these counters: a producer
+// waits only when its ring is full, never for a whole collective to finish.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace odc {
+
+enum class RedOp : int { Sum = 0, Avg = 1, PreMulSum = 2 };
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+const char* dtype_name(DType d);
+
+// How the owner combines the world's contributions: out = scale * sum(inputs),
+// summed in fp32 in rank order (deterministic), rounded once to the dtype.
+struct ReduceSpec {
+  DType dtype = DType::F32;
+  double scale = 1.0;                  // AVG: 1/world; PREMUL_SUM: factor
+  const void* scale_ptr = nullptr;     // PREMUL_SUM with a tensor factor (dtype `dtype`)
+};
+
+// Byte layout of a window; identical on every rank of a group.
+struct WindowLayout {
+  static constexpr size_t kFlagStride = 128;  // one counter per 128-byte line
+  enum Flag : int { AgReady = 0, AgAck, RsReady, RsFree, kNumFlagArrays };
+
+  WindowLayout() = default;
+  WindowLayout(int world, size_t chunk_bytes, int slots);
+
+  int world = 0;
+  size_t chunk_bytes = 0;
+  int slots = 0;
+  size_t ag_ring = 0;  // offset of the AG ring (slots * chunk_bytes)
+  size_t rs_ring = 0;  // offset of the RS landing rings (world * slots * chunk_bytes)
+  size_t total = 0;
+
+  // Offset of counter `kind`[index]: index is the peer the counter is about.
+  size_t flag(Flag kind, int index) const {
+    return (static_cast<size_t>(kind) * world + index) * kFlagStride;
+  }
+  size_t ag_slot(uint64_t chunk) const { return ag_ring + (chunk % slots) * chunk_bytes; }
+  size_t rs_slot(int src, uint64_t chunk) const {
+    return rs_ring + (static_cast<size_t>(src) * slots + chunk % slots) * chunk_bytes;
+  }
+};
+
+// What a wait is about, for the error raised when it times out.
+struct WaitSite {
+  const char* op;        // "all_gather" / "reduce_scatter"
+  const char* what;      // "data from" / "ring space at"
+  uint64_t op_seq;       // the group's collective sequence number
+};
+
+// A transport moves bytes and counters between windows. Work is issued on
+// *lanes*: lane 0 is the operation's own ordering domain, lane i (1..world-1)
+// carries the traffic with peer (rank + i) % world. A host transport executes
+// immediately in issue order; a device transport enqueues each lane on a stream.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual char* window(int rank) = 0;
+  // Block lane until every counter (in this rank's window) is >= target.
+  virtual void wait(int lane, const std::vector<const uint64_t*>& flags,
+                    const std::vector<int>& peers, uint64_t target,
+                    const WaitSite& site) = 0;
+  // After everything issued on the lane before it, store value into each counter.
+  virtual void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) = 0;
+  virtual void copy(int lane, void* dst, const void* src, size_t bytes) = 0;
+  // dst[i] = spec.scale * sum_j srcs[j][i]
+  virtual void reduce(int lane, void* dst, const std::vector<const void*>& srcs,
+                      size_t numel, const ReduceSpec& spec) = 0;
+  // Bracket one collective: a device transport forks its peer lanes from the
+  // operation's stream (`stream`) and joins them back at the end.
+  virtual void begin_op(void* stream) {}
+  virtual void end_op() {}
+  // A failure recorded asynchronously (e.g. by a device-side wait), or "".
+  virtual std::string async_error() { return {}; }
+};
+
+// Drives the collectives over a transport. Chunk counters advance identically
+// on every rank (ranks issue the same collectives in the same order), so the
+// counter value to wait for is known locally without any handshake.
+class Protocol {
+ public:
+  Protocol(int rank, int world, const WindowLayout& layout, Transport* transport);
+
+  // out holds world * shard_bytes; in holds shard_bytes (may alias out's own part).
+  void all_gather(void* out, const void* in, size_t shard_bytes, uint64_t op_seq);
+  // in holds world * out_numel elements; out holds out_numel.
+  void reduce_scatter(void* out, const void* in, size_t out_numel, size_t elem_size,
+                      const ReduceSpec& spec, uint64_t op_seq);
+
+  const WindowLayout& layout() const { return layout_; }
+
+ private:
+  uint64_t* flag_in(int owner, WindowLayout::Flag kind, int index);
+  std::vector<const uint64_t*> my_flags(WindowLayout::Flag kind, bool include_self);
+  std::vector<int> peers_but_me() const;
+
+  int rank_;
+  int world_;
+  WindowLayout layout_;
+  Transport* t_;
+  uint64_t ag_chunks_ = 0;  // AG chunks published by every rank so far
+  uint64_t rs_chunks_ = 0;  // RS chunks sent on every (src -> owner) channel so far
+};
+
+}  // namespace odc

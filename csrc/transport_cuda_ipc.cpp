@@ -1,0 +1,232 @@
+#include "transport_cuda_ipc.hpp"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <sstream>
+
+namespace odc {
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string("odc: ") + what + ": " + cudaGetErrorString(e));
+  }
+}
+
+struct DeviceGuard {
+  int prev = 0;
+  explicit DeviceGuard(int dev) {
+    check(cudaGetDevice(&prev), "cudaGetDevice");
+    check(cudaSetDevice(dev), "cudaSetDevice");
+  }
+  ~DeviceGuard() { (void)cudaSetDevice(prev); }
+};
+
+std::string host_name() {
+  char buf[256] = {0};
+  gethostname(buf, sizeof(buf) - 1);
+  return buf;
+}
+
+}  // namespace
+
+CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks)
+    : a_(args), device_(device), reduce_blocks_(reduce_blocks), bases_(args.world, nullptr) {
+  if (a_.world > kMaxPeers) {
+    throw std::runtime_error("odc: the CUDA IPC transport supports groups of at most " +
+                             std::to_string(kMaxPeers) + " ranks");
+  }
+  DeviceGuard g(device_);
+  const size_t bytes = a_.layout.total;
+  void* base = nullptr;
+  cudaError_t e = cudaMalloc(&base, bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error("could not allocate the " + std::to_string(bytes >> 20) +
+                             " MiB communication window on cuda:" + std::to_string(device_) +
+                             " (" + cudaGetErrorString(e) +
+                             "); free GPU memory or lower ODC_CHUNK_BYTES / ODC_RING_SLOTS");
+  }
+  bases_[a_.rank] = static_cast<char*>(base);
+  check(cudaMemset(base, 0, bytes), "zeroing the window");
+  check(cudaDeviceSynchronize(), "zeroing the window");
+
+  cudaIpcMemHandle_t handle;
+  check(cudaIpcGetMemHandle(&handle, base), "cudaIpcGetMemHandle");
+  const std::string host = host_name();
+  std::vector<uint8_t> mine(sizeof(handle) + host.size());
+  std::memcpy(mine.data(), &handle, sizeof(handle));
+  std::memcpy(mine.data() + sizeof(handle), host.data(), host.size());
+  auto all = exchange_blobs(a_, "ipc", mine);
+  for (int r = 0; r < a_.world; ++r) {
+    if (r == a_.rank) continue;
+    const std::string peer_host(all[r].begin() + sizeof(handle), all[r].end());
+    if (peer_host != host) {
+      throw std::runtime_error("the CUDA IPC transport needs every rank on one host, but rank " +
+                               std::to_string(r) + " is on '" + peer_host + "' and rank " +
+                               std::to_string(a_.rank) + " on '" + host + "'");
+    }
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, all[r].data(), sizeof(h));
+    void* p = nullptr;
+    check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+          ("opening the window of rank " + std::to_string(r)).c_str());
+    bases_[r] = static_cast<char*>(p);
+  }
+  check(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),
+                      cudaHostAllocMapped),
+        "allocating the error record");
+  std::memset(err_host_, 0, sizeof(DeviceError));
+  check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0),
+        "mapping the error record");
+  pending_.assign(a_.world, {});
+  pending_value_.assign(a_.world, 0);
+  lane_used_.assign(a_.world, false);
+  // No peer may signal into a window before its owner has zeroed it and every
+  // peer has opened it.
+  store_barrier(a_, "ipc_open");
+}
+
+CudaIpcTransport::~CudaIpcTransport() {
+  DeviceGuard g(device_);
+  (void)cudaDeviceSynchronize();
+  for (auto& [stream, l] : lanes_) {
+    for (auto s : l.side) (void)cudaStreamDestroy(s);
+    for (auto ev : l.join) (void)cudaEventDestroy(ev);
+    (void)cudaEventDestroy(l.fork);
+  }
+  for (int r = 0; r < a_.world; ++r) {
+    if (!bases_[r]) continue;
+    if (r == a_.rank) {
+      (void)cudaFree(bases_[r]);
+    } else {
+      (void)cudaIpcCloseMemHandle(bases_[r]);
+    }
+  }
+  if (err_host_) (void)cudaFreeHost(err_host_);
+}
+
+CudaIpcTransport::Lanes& CudaIpcTransport::lanes_for(cudaStream_t stream) {
+  for (auto& [s, l] : lanes_) {
+    if (s == stream) return l;
+  }
+  Lanes l;
+  int lo = 0, hi = 0;
+  check(cudaDeviceGetStreamPriorityRange(&lo, &hi), "stream priorities");
+  for (int i = 1; i < a_.world; ++i) {
+    cudaStream_t s;
+    cudaEvent_t ev;
+    check(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi), "creating a lane stream");
+    check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "creating an event");
+    l.side.push_back(s);
+    l.join.push_back(ev);
+  }
+  check(cudaEventCreateWithFlags(&l.fork, cudaEventDisableTiming), "creating an event");
+  lanes_.emplace_back(stream, std::move(l));
+  return lanes_.back().second;
+}
+
+void CudaIpcTransport::begin_op(void* stream) {
+  DeviceGuard g(device_);
+  op_stream_ = static_cast<cudaStream_t>(stream);
+  cur_ = &lanes_for(op_stream_);
+  check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
+  std::fill(lane_used_.begin(), lane_used_.end(), false);
+}
+
+cudaStream_t CudaIpcTransport::lane_stream(int lane) const {
+  return lane == 0 ? op_stream_ : cur_->side[lane - 1];
+}
+
+void CudaIpcTransport::end_op() {
+  DeviceGuard g(device_);
+  for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
+  for (int lane = 1; lane < a_.world; ++lane) {
+    if (!lane_used_[lane]) continue;
+    check(cudaEventRecord(cur_->join[lane - 1], cur_->side[lane - 1]), "recording a join event");
+    check(cudaStreamWaitEvent(op_stream_, cur_->join[lane - 1], 0), "joining a lane");
+  }
+}
+
+void CudaIpcTransport::launch_flags(int lane, const std::vector<const uint64_t*>& waits,
+                                    const std::vector<int>& peers, uint64_t target,
+                                    const WaitSite* site) {
+  if (lane > 0 && !lane_used_[lane]) {
+    check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
+  }
+  lane_used_[lane] = true;
+  FlagOp op{};
+  op.n_signal = static_cast<int>(pending_[lane].size());
+  for (int i = 0; i < op.n_signal; ++i) op.signal[i] = pending_[lane][i];
+  op.signal_value = pending_value_[lane];
+  op.n_wait = static_cast<int>(waits.size());
+  for (int i = 0; i < op.n_wait; ++i) {
+    op.wait[i] = waits[i];
+    op.wait_peer[i] = peers[i];
+  }
+  op.wait_target = target;
+  op.timeout_ns = static_cast<unsigned long long>(a_.timeout.count()) * 1000000ull;
+  if (site) {
+    op.op_seq = site->op_seq;
+    op.op = site->op;
+    op.what = site->what;
+  }
+  op.err = err_dev_;
+  check(launch_flag_op(op, lane_stream(lane)), "launching a flag kernel");
+  pending_[lane].clear();
+}
+
+void CudaIpcTransport::flush_signals(int lane) {
+  if (!pending_[lane].empty()) launch_flags(lane, {}, {}, 0, nullptr);
+}
+
+void CudaIpcTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
+                            const std::vector<int>& peers, uint64_t target,
+                            const WaitSite& site) {
+  launch_flags(lane, flags, peers, target, &site);
+}
+
+void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) {
+  if (!pending_[lane].empty() && pending_value_[lane] != value) flush_signals(lane);
+  pending_[lane].insert(pending_[lane].end(), flags.begin(), flags.end());
+  pending_value_[lane] = value;
+}
+
+void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) {
+  flush_signals(lane);
+  if (lane > 0 && !lane_used_[lane]) {
+    check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
+    lane_used_[lane] = true;
+  }
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, lane_stream(lane)),
+        "cudaMemcpyAsync");
+}
+
+void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*>& srcs,
+                              size_t numel, const ReduceSpec& spec) {
+  flush_signals(lane);
+  ReduceOpArgs r{};
+  r.n_src = static_cast<int>(srcs.size());
+  bool aligned = reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  for (int i = 0; i < r.n_src; ++i) {
+    r.src[i] = srcs[i];
+    aligned = aligned && reinterpret_cast<uintptr_t>(srcs[i]) % 16 == 0;
+  }
+  r.dst = dst;
+  r.numel = numel;
+  r.scale = static_cast<float>(spec.scale);
+  r.scale_ptr = spec.scale_ptr;
+  r.vectorized = aligned;
+  check(launch_reduce(r, spec.dtype, reduce_blocks_, lane_stream(lane)), "launching the reduction");
+}
+
+std::string CudaIpcTransport::async_error() {
+  volatile DeviceError* e = err_host_;
+  if (e->code == 0) return {};
+  WaitSite site{const_cast<const char*>(e->op), const_cast<const char*>(e->what), e->op_seq};
+  return describe_wait(site, e->peer, e->target, e->seen, a_.timeout) +
+         " (detected on the GPU; results of this and later collectives are invalid)";
+}
+
+}  // namespace odc

@@ -1,0 +1,62 @@
+// CUDA IPC transport: GPUs of one host. Each window is a cudaMalloc'd buffer
+// opened by every peer through CUDA IPC. Data moves by cudaMemcpyAsync between
+// windows and tensors (copy engines: no SMs); counters are waited on and
+// signalled by one-warp kernels; the owner's reduction is a kernel with a bounded
+// number of blocks. Everything is ordered on streams: the CPU only enqueues.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels.cuh"
+#include "transport.hpp"
+
+namespace odc {
+
+class CudaIpcTransport final : public Transport {
+ public:
+  CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks);
+  ~CudaIpcTransport() override;
+
+  char* window(int rank) override { return bases_[rank]; }
+  void wait(int lane, const std::vector<const uint64_t*>& flags, const std::vector<int>& peers,
+            uint64_t target, const WaitSite& site) override;
+  void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) override;
+  void copy(int lane, void* dst, const void* src, size_t bytes) override;
+  void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
+              const ReduceSpec& spec) override;
+  void begin_op(void* stream) override;
+  void end_op() override;
+  std::string async_error() override;
+
+ private:
+  cudaStream_t lane_stream(int lane) const;
+  void flush_signals(int lane);
+  void launch_flags(int lane, const std::vector<const uint64_t*>& waits,
+                    const std::vector<int>& peers, uint64_t target, const WaitSite* site);
+
+  // Side lanes belong to the stream an operation runs on, so collectives issued
+  // on different user streams (FSDP's all-gather and reduce-scatter streams) never
+  // queue behind each other.
+  struct Lanes {
+    std::vector<cudaStream_t> side;        // lane i>0 runs on side[i-1]
+    std::vector<cudaEvent_t> join;
+    cudaEvent_t fork = nullptr;
+  };
+  Lanes& lanes_for(cudaStream_t stream);
+
+  TransportArgs a_;
+  int device_;
+  int reduce_blocks_;
+  std::vector<char*> bases_;
+  std::vector<std::pair<cudaStream_t, Lanes>> lanes_;
+  cudaStream_t op_stream_ = nullptr;
+  Lanes* cur_ = nullptr;
+  std::vector<bool> lane_used_;
+  // Signals issued on a lane are folded into that lane's next wait kernel.
+  std::vector<std::vector<uint64_t*>> pending_;
+  std::vector<uint64_t> pending_value_;
+  DeviceError* err_host_ = nullptr;
+  DeviceError* err_dev_ = nullptr;
+};
+
+}  // namespace odc

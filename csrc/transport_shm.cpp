@@ -1,0 +1,170 @@
+#include "transport_shm.hpp"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <thread>
+
+namespace odc {
+namespace {
+
+std::string errno_text(const char* what) {
+  return std::string("odc: ") + what + ": " + std::strerror(errno);
+}
+
+std::string unique_segment_name(int rank) {
+  std::random_device rd;
+  std::ostringstream os;
+  os << "/odc-" << getpid() << "-" << rank << "-" << std::hex << rd() << rd();
+  return os.str();
+}
+
+template <typename T>
+void reduce_typed(void* dst, const std::vector<const void*>& srcs, size_t numel, float scale) {
+  T* out = static_cast<T*>(dst);
+  const size_t n = srcs.size();
+  constexpr size_t kBlock = 256;  // accumulate a block in fp32, in rank order
+  float acc[kBlock];
+  for (size_t base = 0; base < numel; base += kBlock) {
+    const size_t len = std::min(kBlock, numel - base);
+    const T* s0 = static_cast<const T*>(srcs[0]) + base;
+    for (size_t i = 0; i < len; ++i) acc[i] = static_cast<float>(s0[i]);
+    for (size_t j = 1; j < n; ++j) {
+      const T* s = static_cast<const T*>(srcs[j]) + base;
+      for (size_t i = 0; i < len; ++i) acc[i] += static_cast<float>(s[i]);
+    }
+    for (size_t i = 0; i < len; ++i) out[base + i] = static_cast<T>(acc[i] * scale);
+  }
+}
+
+float host_scale(const ReduceSpec& spec) {
+  if (!spec.scale_ptr) return static_cast<float>(spec.scale);
+  switch (spec.dtype) {
+    case DType::F32: return *static_cast<const float*>(spec.scale_ptr);
+    case DType::BF16: return static_cast<float>(*static_cast<const c10::BFloat16*>(spec.scale_ptr));
+    case DType::F16: return static_cast<float>(*static_cast<const c10::Half*>(spec.scale_ptr));
+  }
+  return 1.0f;
+}
+
+}  // namespace
+
+ShmTransport::ShmTransport(const TransportArgs& args) : a_(args), maps_(args.world, nullptr) {
+  const size_t bytes = a_.layout.total;
+  const std::string name = unique_segment_name(a_.rank);
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw std::runtime_error(errno_text("shm_open of the window failed"));
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    throw std::runtime_error(errno_text("could not size the shared-memory window") + " (" +
+                             std::to_string(bytes >> 20) + " MiB; lower ODC_CHUNK_BYTES or "
+                             "ODC_RING_SLOTS, or enlarge /dev/shm)");
+  }
+  // Touch the pages now, so a too-small /dev/shm fails here and not with SIGBUS later.
+  if (posix_fallocate(fd, 0, static_cast<off_t>(bytes)) != 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    throw std::runtime_error("odc: /dev/shm has no room for a " + std::to_string(bytes >> 20) +
+                             " MiB window; lower ODC_CHUNK_BYTES or ODC_RING_SLOTS, or enlarge "
+                             "/dev/shm");
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    throw std::runtime_error(errno_text("mmap of the window failed"));
+  }
+  maps_[a_.rank] = static_cast<char*>(p);
+
+  std::ostringstream me;
+  me << getpid() << " " << name;
+  const std::string mine = me.str();
+  auto all = exchange_blobs(a_, "shm", std::vector<uint8_t>(mine.begin(), mine.end()));
+  pids_.resize(a_.world);
+  for (int r = 0; r < a_.world; ++r) {
+    std::istringstream is(std::string(all[r].begin(), all[r].end()));
+    std::string peer_name;
+    is >> pids_[r] >> peer_name;
+    if (r == a_.rank) continue;
+    int pfd = shm_open(peer_name.c_str(), O_RDWR, 0600);
+    if (pfd < 0) {
+      throw std::runtime_error(errno_text("could not open the window of rank ") +
+                               std::to_string(r) + " (are all ranks of the group on one host?)");
+    }
+    void* q = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
+    close(pfd);
+    if (q == MAP_FAILED) throw std::runtime_error(errno_text("mmap of a peer window failed"));
+    maps_[r] = static_cast<char*>(q);
+  }
+  // Once everyone has mapped it, the name can go: the memory lives while mapped,
+  // and nothing is left behind in /dev/shm if a process dies.
+  store_barrier(a_, "shm_mapped");
+  shm_unlink(name.c_str());
+}
+
+ShmTransport::~ShmTransport() {
+  for (char* m : maps_) {
+    if (m) munmap(m, a_.layout.total);
+  }
+}
+
+void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
+                        const std::vector<int>& peers, uint64_t target, const WaitSite& site) {
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < flags.size(); ++i) {
+    uint64_t spins = 0;
+    for (;;) {
+      const uint64_t seen = __atomic_load_n(flags[i], __ATOMIC_ACQUIRE);
+      if (seen >= target) break;
+      ++spins;
+      if (spins < 64) continue;
+      // Ranks often outnumber cores (CI): give the core away quickly.
+      if (spins < 1024) {
+        sched_yield();
+        continue;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (spins % 256 == 0) {
+        if (kill(pids_[peers[i]], 0) != 0 && errno == ESRCH) {
+          throw CommError("odc: " + std::string(site.op) + " #" + std::to_string(site.op_seq) +
+                          ": rank " + std::to_string(peers[i]) + " (pid " +
+                          std::to_string(pids_[peers[i]]) +
+                          ") has exited. The group cannot be used any more.");
+        }
+        const auto waited = std::chrono::steady_clock::now() - start;
+        if (waited > a_.timeout) throw CommError(describe_wait(site, peers[i], target, seen, a_.timeout));
+      }
+    }
+  }
+}
+
+void ShmTransport::signal(int, const std::vector<uint64_t*>& flags, uint64_t value) {
+  for (uint64_t* f : flags) __atomic_store_n(f, value, __ATOMIC_RELEASE);
+}
+
+void ShmTransport::copy(int, void* dst, const void* src, size_t bytes) {
+  std::memcpy(dst, src, bytes);
+}
+
+void ShmTransport::reduce(int, void* dst, const std::vector<const void*>& srcs, size_t numel,
+                          const ReduceSpec& spec) {
+  const float scale = host_scale(spec);
+  switch (spec.dtype) {
+    case DType::F32: reduce_typed<float>(dst, srcs, numel, scale); break;
+    case DType::BF16: reduce_typed<c10::BFloat16>(dst, srcs, numel, scale); break;
+    case DType::F16: reduce_typed<c10::Half>(dst, srcs, numel, scale); break;
+  }
+}
+
+}  // namespace odc

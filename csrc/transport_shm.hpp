@@ -1,0 +1,31 @@
+// Host shared-memory transport: CPU tensors of ranks on one host. Each window
+// is a POSIX shared-memory segment mapped by every rank of the group; gets,
+// puts and reductions are done by the calling thread, in issue order.
+#pragma once
+
+#include <sys/types.h>
+
+#include "transport.hpp"
+
+namespace odc {
+
+class ShmTransport final : public Transport {
+ public:
+  explicit ShmTransport(const TransportArgs& args);
+  ~ShmTransport() override;
+
+  char* window(int rank) override { return maps_[rank]; }
+  void wait(int lane, const std::vector<const uint64_t*>& flags, const std::vector<int>& peers,
+            uint64_t target, const WaitSite& site) override;
+  void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) override;
+  void copy(int lane, void* dst, const void* src, size_t bytes) override;
+  void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
+              const ReduceSpec& spec) override;
+
+ private:
+  TransportArgs a_;
+  std::vector<char*> maps_;
+  std::vector<pid_t> pids_;
+};
+
+}  // namespace odc

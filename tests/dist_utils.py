@@ -1,0 +1,101 @@
+"""Run a function on N local processes with a real process group, collect results.
+
+Every worker is a fresh `spawn` process; a worker that raises, hangs past the
+deadline or dies makes the whole call fail with every rank's traceback.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, queue):
+    try:
+        os.environ.update(env or {})
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        import torch_odc_backend  # noqa: F401  (registers "odc")
+
+        if torch.cuda.is_available() and "cuda" in backend:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            # A failing test must not leave peers blocked in a collective.
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        queue.put((rank, "ok", result))
+    except BaseException:  # report everything, including KeyboardInterrupt
+        queue.put((rank, "err", traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "cpu:odc",
+    timeout_s: float = 60.0,
+    deadline_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    expect_failure_ranks: set[int] | None = None,
+) -> dict[int, Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes.
+
+    Returns {rank: return value}. ``fn`` and its results must be picklable.
+    ``timeout_s`` is the process-group timeout; ``deadline_s`` bounds the whole run.
+    With ``expect_failure_ranks``, those ranks' tracebacks are returned (as str)
+    instead of raising.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, store_path, backend, timeout_s, fn, args, env, queue),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[str, Any]] = {}
+        end = time.monotonic() + deadline_s
+        while len(results) < world_size and time.monotonic() < end:
+            try:
+                rank, status, payload = queue.get(timeout=0.5)
+                results[rank] = (status, payload)
+            except Exception:
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+        for p in procs:
+            p.join(timeout=max(0.1, end - time.monotonic()) if len(results) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    expect_failure_ranks = expect_failure_ranks or set()
+    missing = [r for r in range(world_size) if r not in results]
+    errors = {r: payload for r, (s, payload) in results.items() if s == "err"}
+    unexpected = {r: e for r, e in errors.items() if r not in expect_failure_ranks}
+    if missing or unexpected:
+        msg = [f"distributed run failed: missing ranks {missing} (hung or died)"]
+        for r, tb in sorted(unexpected.items()):
+            msg.append(f"--- rank {r} ---\n{tb}")
+        raise AssertionError("\n".join(msg))
+    return {r: payload for r, (s, payload) in results.items()}

@@ -1,0 +1,76 @@
+"""torch_odc_backend: the "odc" process-group backend.
+
+Importing this package registers the backend::
+
+    import torch_odc_backend
+    dist.init_process_group("cpu:gloo,cuda:odc")   # GPUs; "cpu:odc" for CPU tensors
+
+All-gather and reduce-scatter (what FSDP issues per layer) run one-sidedly:
+readers *get* shards from their owners' windows and senders *put* their
+contributions into the owners' landing rings, where the owner reduces them.
+Every other collective is delegated to an inner gloo (CPU) or NCCL (CUDA) group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import config
+from ._C import OdcBackend, built_with_cuda
+
+__all__ = ["OdcBackend", "backend_stats", "built_with_cuda"]
+
+BACKEND_NAME = "odc"
+
+
+def _make_inner(store, rank: int, size: int, timeout, group_name: str, global_ranks):
+    """Factory for the inner group that takes delegated collectives on a device type."""
+
+    def make(device_type: str):
+        prefixed = dist.PrefixStore(f"odc_inner_{device_type}/", store)
+        if device_type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            opts.global_ranks_in_group = list(global_ranks)
+            opts.group_name = f"{group_name}:odc_inner"
+            return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+    return make
+
+
+def _create_backend(opts, pg_options):
+    """Creator for ``dist.Backend.register_backend(..., extended_api=True)``."""
+    knobs = config.knobs()
+    return OdcBackend(
+        opts.store,
+        opts.group_rank,
+        opts.group_size,
+        opts.timeout,
+        opts.group_id,
+        _make_inner(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id,
+                    opts.global_ranks_in_group),
+        knobs.chunk_bytes,
+        knobs.ring_slots,
+        knobs.reduce_blocks,
+    )
+
+
+def _register() -> None:
+    if BACKEND_NAME.upper() in dist.Backend._plugins:  # re-import: already registered
+        return
+    dist.Backend.register_backend(
+        BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
+    )
+
+
+def backend_stats(group=None, device: str = "cpu") -> dict[str, int]:
+    """Counters of the odc backend serving ``group`` (default group) on ``device``."""
+    group = group or dist.group.WORLD
+    backend = group._get_backend(torch.device(device))
+    if not isinstance(backend, OdcBackend):
+        raise ValueError(f"the {device} backend of this group is {backend.name()}, not odc")
+    return dict(backend.stats())
+
+
+_register()

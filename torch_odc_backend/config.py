@@ -1,0 +1,54 @@
+"""Environment knobs. Every knob is an ``ODC_*`` variable, read once per group creation.
+
+The README's "Environment knobs" table documents the same list.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def _bytes(name: str) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return 0
+    m = re.fullmatch(r"(\d+)\s*([a-zA-Z]*)", raw)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{name}={raw!r}: expected a byte count such as 4096, 512K or 32M")
+    value = int(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0 or value % 16:
+        raise ValueError(f"{name}={raw!r}: must be a positive multiple of 16 bytes")
+    return value
+
+
+def _int(name: str, lo: int, hi: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={raw!r}: must be between {lo} and {hi}")
+    return value
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """0 means "the backend's default for the device"."""
+
+    chunk_bytes: int  # ODC_CHUNK_BYTES: bytes per ring slot (1 MiB CPU, 32 MiB CUDA)
+    ring_slots: int  # ODC_RING_SLOTS: ring depth per channel (4)
+    reduce_blocks: int  # ODC_REDUCE_BLOCKS: CUDA blocks of the owner-side reduction (16)
+
+
+def knobs() -> Knobs:
+    return Knobs(
+        chunk_bytes=_bytes("ODC_CHUNK_BYTES"),
+        ring_slots=_int("ODC_RING_SLOTS", 1, 1024),
+        reduce_blocks=_int("ODC_REDUCE_BLOCKS", 1, 1024),
+    )

@@ -233,29 +233,34 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
                       ag ? "input" : "output", " size x world size = ", small, " x ", world);
     if (!ag) to_dtype(in.scalar_type(), api);
   }
-  ReduceSpec spec;
-  at::Tensor factor;
+  // One reduction spec per tensor: a coalesced call may mix dtypes.
+  std::vector<ReduceSpec> specs(inputs.size());
+  std::vector<at::Tensor> factors;  // tensor PREMUL factors, converted per dtype
   if (!ag) {
-    spec.dtype = to_dtype(inputs[0].scalar_type(), api);
-    switch (op->op_) {
-      case c10d::ReduceOp::SUM: spec.scale = 1.0; break;
-      case c10d::ReduceOp::AVG: spec.scale = 1.0 / world; break;
-      case c10d::ReduceOp::PREMUL_SUM: {
-        auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op->supplement_.get());
-        TORCH_CHECK_VALUE(sup, "odc: ", api, ": PREMUL_SUM without a factor");
-        if (sup->tensor_factor.defined()) {
-          factor = sup->tensor_factor.to(device, inputs[0].scalar_type()).contiguous();
-          spec.scale_ptr = factor.data_ptr();
-        } else {
-          spec.scale = sup->double_factor;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      ReduceSpec& spec = specs[i];
+      spec.dtype = to_dtype(inputs[i].scalar_type(), api);
+      switch (op->op_) {
+        case c10d::ReduceOp::SUM: spec.scale = 1.0; break;
+        case c10d::ReduceOp::AVG: spec.scale = 1.0 / world; break;
+        case c10d::ReduceOp::PREMUL_SUM: {
+          auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op->supplement_.get());
+          TORCH_CHECK_VALUE(sup, "odc: ", api, ": PREMUL_SUM without a factor");
+          if (sup->tensor_factor.defined()) {
+            factors.push_back(
+                sup->tensor_factor.to(device, inputs[i].scalar_type()).contiguous());
+            spec.scale_ptr = factors.back().data_ptr();
+          } else {
+            spec.scale = sup->double_factor;
+          }
+          break;
         }
-        break;
+        default:
+          TORCH_CHECK_VALUE(false, "odc: ", api, ": unsupported reduce op ",
+                            static_cast<int>(op->op_),
+                            " (odc reduce-scatter supports SUM, AVG and PREMUL_SUM; MAX, MIN, "
+                            "PRODUCT and bitwise ops are not supported)");
       }
-      default:
-        TORCH_CHECK_VALUE(false, "odc: ", api, ": unsupported reduce op ",
-                          static_cast<int>(op->op_),
-                          " (odc reduce-scatter supports SUM, AVG and PREMUL_SUM; MAX, MIN, "
-                          "PRODUCT and bitwise ops are not supported)");
     }
   }
 
@@ -297,7 +302,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
         bytes += shard * world;
       } else {
         ch.protocol->reduce_scatter(outputs[i].data_ptr(), inputs[i].data_ptr(),
-                                    outputs[i].numel(), elem, spec, seq);
+                                    outputs[i].numel(), elem, specs[i], seq);
         bytes += inputs[i].numel() * elem;
       }
     }
@@ -310,7 +315,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
   stats_[ag ? "all_gather_bytes" : "reduce_scatter_bytes"] += bytes;
 
   std::vector<at::Tensor> keep(inputs.begin(), inputs.end());
-  if (factor.defined()) keep.push_back(factor);
+  keep.insert(keep.end(), factors.begin(), factors.end());
   const auto type = inputs.size() > 1 ? c10d::OpType::COALESCED
                     : ag              ? c10d::OpType::_ALLGATHER_BASE
                                       : c10d::OpType::_REDUCE_SCATTER_BASE;

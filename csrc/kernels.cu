@@ -105,6 +105,15 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t preload_kernels() {
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, flag_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<float>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<__nv_bfloat16>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<__half>);
+  return e;
+}
+
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, int blocks, cudaStream_t stream) {
   constexpr int kThreads = 512;
   const size_t per_block = static_cast<size_t>(kThreads) * 8;

@@ -52,6 +52,11 @@ struct ReduceOpArgs {
 };
 
 cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
+// Load every kernel's module now. Under lazy loading (PyTorch's default) the
+// first launch of a kernel may wait for the kernels already running, and a
+// running flag kernel may be waiting for a peer that is itself stuck loading:
+// a cross-rank deadlock. Loading up front removes it.
+cudaError_t preload_kernels();
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, int blocks, cudaStream_t stream);
 
 }  // namespace odc

@@ -38,6 +38,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
                              std::to_string(kMaxPeers) + " ranks");
   }
   DeviceGuard g(device_);
+  check(preload_kernels(), "loading the transport's kernels");
   const size_t bytes = a_.layout.total;
   void* base = nullptr;
   cudaError_t e = cudaMalloc(&base, bytes);
@@ -224,7 +225,9 @@ void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*
 std::string CudaIpcTransport::async_error() {
   volatile DeviceError* e = err_host_;
   if (e->code == 0) return {};
-  WaitSite site{const_cast<const char*>(e->op), const_cast<const char*>(e->what), e->op_seq};
+  const char* op = e->op;
+  const char* what = e->what;
+  WaitSite site{op ? op : "collective", what ? what : "a counter of", e->op_seq};
   return describe_wait(site, e->peer, e->target, e->seen, a_.timeout) +
          " (detected on the GPU; results of this and later collectives are invalid)";
 }

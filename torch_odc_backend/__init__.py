@@ -12,6 +12,9 @@ Every other collective is delegated to an inner gloo (CPU) or NCCL (CUDA) group.
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -56,6 +59,32 @@ def _create_backend(opts, pg_options):
     )
 
 
+def _require_eager_module_loading() -> None:
+    """Ask CUDA to load every kernel at start-up (CUDA_MODULE_LOADING=EAGER).
+
+    odc's device-side waits spin until a peer's signal lands. Under lazy loading
+    (PyTorch's default), the first launch of any kernel may wait for the kernels
+    already running; a peer blocked that way before launching the signal we wait
+    for makes a cross-rank deadlock (seen on H200: hangs with lazy loading, none
+    with eager). The variable only takes effect before CUDA is initialised, so
+    import torch_odc_backend before the first CUDA call. ODC_ALLOW_LAZY_LOADING=1
+    keeps lazy loading (at that risk).
+    """
+    if os.environ.get("ODC_ALLOW_LAZY_LOADING") == "1" or not built_with_cuda:
+        return
+    if torch.cuda.is_initialized():
+        if os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER":
+            warnings.warn(
+                "torch_odc_backend was imported after CUDA was initialised with lazy module "
+                "loading; odc collectives can deadlock. Import it before the first CUDA call "
+                "or set CUDA_MODULE_LOADING=EAGER.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+
+
 def _register() -> None:
     if BACKEND_NAME.upper() in dist.Backend._plugins:  # re-import: already registered
         return
@@ -73,4 +102,5 @@ def backend_stats(group=None, device: str = "cpu") -> dict[str, int]:
     return dict(backend.stats())
 
 
+_require_eager_module_loading()
 _register()

@@ -87,8 +87,8 @@ DType to_dtype(at::ScalarType t, const char* api) {
     case at::kBFloat16: return DType::BF16;
     case at::kHalf: return DType::F16;
     default:
-      TORCH_CHECK_TYPE(false, "odc: ", api, " supports float32, bfloat16 and float16, got ",
-                       c10::toString(t));
+      TORCH_CHECK_TYPE(false, "odc: ", api, ": unsupported dtype ", c10::toString(t),
+                       " (reductions support float32, bfloat16 and float16)");
   }
 }
 
@@ -311,8 +311,8 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
     broken_ = e.what();
     C10_THROW_ERROR(DistBackendError, broken_);
   }
-  stats_[ag ? "all_gather_ops" : "reduce_scatter_ops"] += 1;
-  stats_[ag ? "all_gather_bytes" : "reduce_scatter_bytes"] += bytes;
+  count(ag ? "all_gather_ops" : "reduce_scatter_ops", 1);
+  count(ag ? "all_gather_bytes" : "reduce_scatter_bytes", bytes);
 
   std::vector<at::Tensor> keep(inputs.begin(), inputs.end());
   keep.insert(keep.end(), factors.begin(), factors.end());
@@ -399,7 +399,7 @@ c10::DeviceType type_of(const std::vector<at::Tensor>& ts) {
 
 #define ODC_DELEGATE(device_type, call)       \
   do {                                        \
-    stats_["delegated_ops"] += 1;             \
+    count("delegated_ops", 1);                \
     return inner(device_type)->call;          \
   } while (0)
 
@@ -473,6 +473,14 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o
 
 #undef ODC_DELEGATE
 
-std::map<std::string, uint64_t> OdcBackend::stats() const { return stats_; }
+void OdcBackend::count(const std::string& key, uint64_t n) {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  stats_[key] += n;
+}
+
+std::map<std::string, uint64_t> OdcBackend::stats() const {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  return stats_;
+}
 
 }  // namespace odc

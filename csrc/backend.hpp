@@ -132,7 +132,9 @@ class OdcBackend final : public c10d::Backend {
   std::mutex mu_;  // ops on one group may be issued from several threads
   std::string broken_;  // set once a communication error left the group unusable
   uint64_t seq_ = 0;
+  mutable std::mutex stats_mu_;  // delegated ops run outside mu_
   std::map<std::string, uint64_t> stats_;
+  void count(const std::string& key, uint64_t n);
 };
 
 }  // namespace odc

@@ -189,7 +189,10 @@ void CudaIpcTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
 }
 
 void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) {
-  if (!pending_[lane].empty() && pending_value_[lane] != value) flush_signals(lane);
+  if (!pending_[lane].empty() &&
+      (pending_value_[lane] != value || pending_[lane].size() + flags.size() > kMaxPeers)) {
+    flush_signals(lane);
+  }
   pending_[lane].insert(pending_[lane].end(), flags.begin(), flags.end());
   pending_value_[lane] = value;
 }

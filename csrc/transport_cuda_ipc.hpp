@@ -7,6 +7,8 @@
 
 #include <cuda_runtime.h>
 
+#include <list>
+
 #include "kernels.cuh"
 #include "transport.hpp"
 
@@ -48,7 +50,7 @@ class CudaIpcTransport final : public Transport {
   int device_;
   int reduce_blocks_;
   std::vector<char*> bases_;
-  std::vector<std::pair<cudaStream_t, Lanes>> lanes_;
+  std::list<std::pair<cudaStream_t, Lanes>> lanes_;  // a list: cur_ must stay valid
   cudaStream_t op_stream_ = nullptr;
   Lanes* cur_ = nullptr;
   std::vector<bool> lane_used_;

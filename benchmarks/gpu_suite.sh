@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# GPU suite for the lent GPU machine (4x H200, no package registry).
+#
+#   bash benchmarks/gpu_suite.sh                 # all stages: build tests bench example
+#   bash benchmarks/gpu_suite.sh build bench     # only those stages, in the order given
+#   OUT=/some/dir bash benchmarks/gpu_suite.sh   # logs and results go to $OUT (default ./out)
+#
+# Stages (a failing stage is reported; later stages still run; exit status is
+# nonzero when any stage failed):
+#   build    MAX_JOBS=16 python3 setup.py build_ext --inplace  (the GPU machines have no package
+#            registry, where pip's editable install tries to fetch build requirements)
+#   tests    pytest tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py on 2 GPUs, then on 4
+#   bench    benchmarks/collectives.py under torchrun on 2 GPUs (0,1), then on 4
+#   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, reference (NCCL)
+#
+# Every stage runs under a timeout clamped to what is left of SUITE_BUDGET_S
+# (default 450 s), so the whole suite stays well under 9 minutes.
+# Outputs in $OUT: <stage>.log, gpu_tests_<n>gpu.log, env.log, summary.txt,
+# benchmarks/results/collectives_*.{json,png} and tests/results/gpu_tests_<kind>_<date>.log
+# (the repository layout of DESIGN.md §6, ready to copy into the repo).
+set -uo pipefail
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO=$(pwd)
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUT/benchmarks/results" "$OUT/tests/results"
+
+PY=${PYTHON:-python3}
+SUITE_BUDGET_S=${SUITE_BUDGET_S:-450}
+DATE=$(date -u +%Y%m%d)
+SUITE_START=$SECONDS
+
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+NGPU=${NGPU:-0}
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)
+GPU_SLUG=$(printf '%s' "${GPU_NAME:-unknown}" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
+kind_for() { echo "${GPU_SLUG}-x$1"; }   # what the run measured: <gpu>-x<gpus used>
+
+if [ "$#" -gt 0 ]; then STAGES=("$@"); else STAGES=(build tests bench example); fi
+
+declare -a SUM_NAME SUM_STATUS SUM_SECS SUM_LOG
+FAILED=0
+
+remaining() { echo $(( SUITE_BUDGET_S - (SECONDS - SUITE_START) )); }
+
+# run_step NAME MAX_SECONDS LOGFILE CMD...: run CMD with a timeout, tee to LOGFILE, record it.
+run_step() {
+    local name=$1 max=$2 log=$3; shift 3
+    local left; left=$(remaining)
+    local limit=$(( max < left - 5 ? max : left - 5 ))
+    local t0=$SECONDS status rc
+    if [ "$limit" -lt 10 ]; then
+        status="SKIP(budget)"; rc=0
+        echo "=== $name: skipped, suite budget spent" | tee "$log"
+    else
+        echo "=== $name (timeout ${limit}s): $*" | tee "$log"
+        timeout --signal=TERM --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$log"
+        rc=${PIPESTATUS[0]}
+        if [ "$rc" -eq 0 ]; then status=PASS
+        elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status="TIMEOUT"
+        else status="FAIL(rc=$rc)"; fi
+        echo "=== $name: $status in $(( SECONDS - t0 ))s" | tee -a "$log"
+    fi
+    [ "$status" = PASS ] || FAILED=1   # a stage skipped for lack of time is a missing result too
+    SUM_NAME+=("$name"); SUM_STATUS+=("$status"); SUM_SECS+=("$(( SECONDS - t0 ))"); SUM_LOG+=("${log#"$OUT"/}")
+    return 0
+}
+
+skip_step() {  # NAME REASON
+    echo "=== $1: SKIP ($2)"
+    SUM_NAME+=("$1"); SUM_STATUS+=("SKIP($2)"); SUM_SECS+=(0); SUM_LOG+=("-")
+}
+
+{
+    echo "date: $(date -u +%FT%TZ)"; echo "repo: $REPO"; echo "stages: ${STAGES[*]}"
+    echo "commit: $(git rev-parse --verify -q HEAD 2>/dev/null || echo "${ODC_COMMIT:-unknown}")"
+    git status --porcelain --untracked-files=no 2>/dev/null | head -n 20
+    echo "gpus: $NGPU x ${GPU_NAME:-none}"
+    nvidia-smi 2>&1 | head -n 30
+    nvidia-smi topo -m 2>&1 | head -n 12
+    $PY -c 'import sys, torch; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)' 2>&1
+    env | grep -E '^(NCCL_|TORCH_SYMM|NVSHMEM_|ODC_|CUDA_VISIBLE)' | sort
+} > "$OUT/env.log" 2>&1
+echo "GPU suite: stages [${STAGES[*]}], $NGPU GPU(s) ${GPU_NAME:+($GPU_NAME)}, OUT=$OUT, budget ${SUITE_BUDGET_S}s"
+
+gpu_list() { seq -s, 0 $(( $1 - 1 )); }
+
+stage_build() {
+    run_step build 300 "$OUT/build.log" \
+        env MAX_JOBS=${MAX_JOBS:-16} $PY setup.py build_ext --inplace
+    run_step import 60 "$OUT/import.log" \
+        $PY -c 'import torch, torch_odc_backend; print("torch_odc_backend imported from", torch_odc_backend.__file__)'
+}
+
+stage_tests() {
+    local n
+    for n in 2 4; do
+        if [ "$NGPU" -lt "$n" ]; then skip_step "tests_${n}gpu" "only $NGPU GPUs"; continue; fi
+        local log="$OUT/gpu_tests_${n}gpu.log"
+        run_step "tests_${n}gpu" 150 "$log" \
+            env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" \
+            $PY -m pytest -x -q tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py
+        cp -f "$log" "$OUT/tests/results/gpu_tests_$(kind_for "$n")_${DATE}.log"
+    done
+}
+
+stage_bench() {
+    local n
+    for n in 2 4; do
+        if [ "$NGPU" -lt "$n" ]; then skip_step "bench_${n}gpu" "only $NGPU GPUs"; continue; fi
+        run_step "bench_${n}gpu" 150 "$OUT/bench_${n}gpu.log" \
+            env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" \
+            torchrun --standalone --nproc-per-node="$n" benchmarks/collectives.py \
+                --kind "$(kind_for "$n")" ${BENCH_ARGS:-}
+        # copy what was written even after a failure (the JSON is rewritten after every size)
+        find benchmarks/results -maxdepth 1 -name "collectives_$(kind_for "$n")_*" \
+            \( -name '*.json' -o -name '*.png' \) -newer "$OUT/env.log" \
+            -exec cp -f {} "$OUT/benchmarks/results/" \; 2>/dev/null || true
+    done
+}
+
+stage_example() {
+    local n=$NGPU
+    if [ "$n" -lt 1 ]; then skip_step example "no GPU"; return; fi
+    local hsdp=()
+    [ $(( n % 2 )) -eq 0 ] && [ "$n" -ge 4 ] && hsdp=(--hsdp)
+    run_step example_odc 90 "$OUT/example_odc.log" \
+        torchrun --standalone --nproc-per-node="$n" examples/train_fsdp2.py --steps 100 --grad-accum 2
+    if [ "${#hsdp[@]}" -gt 0 ]; then
+        run_step example_odc_hsdp 90 "$OUT/example_odc_hsdp.log" \
+            torchrun --standalone --nproc-per-node="$n" examples/train_fsdp2.py --steps 100 "${hsdp[@]}"
+    fi
+    run_step example_reference 90 "$OUT/example_reference.log" \
+        torchrun --standalone --nproc-per-node="$n" examples/train_fsdp2.py --steps 100 --grad-accum 2 \
+            --backend reference
+}
+
+for stage in "${STAGES[@]}"; do
+    case "$stage" in
+        build|tests|bench|example) "stage_$stage" ;;
+        *) echo "unknown stage '$stage' (choose from: build tests bench example)"; skip_step "$stage" unknown; FAILED=1 ;;
+    esac
+done
+
+{
+    echo
+    echo "GPU suite summary ($NGPU x ${GPU_NAME:-no GPU}, $(( SECONDS - SUITE_START ))s total, OUT=$OUT)"
+    printf '%-20s %-20s %6s  %s\n' stage status secs log
+    for i in "${!SUM_NAME[@]}"; do
+        printf '%-20s %-20s %6s  %s\n' "${SUM_NAME[$i]}" "${SUM_STATUS[$i]}" "${SUM_SECS[$i]}" "${SUM_LOG[$i]}"
+    done
+    for f in "$OUT"/benchmarks/results/collectives_*.json; do
+        [ -e "$f" ] || continue
+        $PY - "$f" <<'EOF' 2>/dev/null || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+s = d.get("summary", {})
+ref = d.get("reference_backend", "nccl")
+print(f"{sys.argv[1].rsplit('/', 1)[-1]}: complete={d.get('complete')} checks={s.get('all_checks_passed')} "
+      f"min_busbw_ratio_ge_4MiB={s.get('min_busbw_ratio_ge_4MiB')} "
+      f"gemm_slowdown_ratio_odc_vs_{ref}={s.get(f'gemm_slowdown_ratio_odc_vs_{ref}')}")
+EOF
+    done
+    [ "$FAILED" -eq 0 ] && echo "RESULT: all stages passed" || echo "RESULT: some stages FAILED"
+} | tee "$OUT/summary.txt"
+exit "$FAILED"

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Set up the project and train the example with FSDP2 over the "odc" backend:
+#   bash examples/run.sh [train_fsdp2.py flags...]      e.g.  bash examples/run.sh --steps 50 --hsdp
+# CPU: 2 processes ("cpu:odc"). GPUs: one process per visible GPU ("cpu:gloo,cuda:odc").
+# ODC_SKIP_INSTALL=1 skips the install lines (already set up).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY=$(command -v python3 || command -v python)
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+       NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+
+if [ "${ODC_SKIP_INSTALL:-0}" != 1 ]; then
+    # The install lines of .ci/run, except that a torch already present (e.g. a CUDA
+    # build on a GPU machine) and packages already importable are left as they are.
+    # pip < 25 installs a setup.py project editable through the legacy `setup.py develop`,
+    # which recent setuptools turns into an isolated build without torch: upgrade such a pip.
+    if ! "$PY" -c 'import sys, pip; sys.exit(int(pip.__version__.split(".")[0]) < 25)' 2>/dev/null; then
+        "$PY" -m pip install --upgrade pip || echo "warning: could not upgrade pip; the editable install may fail"
+    fi
+    if "$PY" -c 'import torch' 2>/dev/null; then
+        echo "using installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
+    else
+        "$PY" -m pip install torch==2.13.0
+    fi
+    missing=()
+    for mod in setuptools wheel pybind11 ninja pytest numpy; do
+        "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
+    done
+    [ "${#missing[@]}" -eq 0 ] || "$PY" -m pip install "${missing[@]}"
+    # Machines without a package registry: pip's editable install may try to fetch build
+    # requirements; building in place needs nothing more.
+    MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e . || {
+        echo "editable install failed; building the extension in place instead"
+        MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" setup.py build_ext --inplace
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    }
+fi
+
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+if [ "$NGPU" -gt 0 ]; then NPROC=$NGPU; else NPROC=2; fi
+echo "launching $NPROC process(es) on $([ "$NGPU" -gt 0 ] && echo "$NGPU GPU(s)" || echo CPU)"
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" examples/train_fsdp2.py "$@"

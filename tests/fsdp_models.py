@@ -1,0 +1,216 @@
+"""Tiny transformer + FSDP2 training loop shared by the CPU and GPU FSDP2 tests.
+
+Sizes are deliberately odd (hidden 36, vocab 97, MLP 100) so that dim-0 shards
+need padding for world sizes 2 and 4. Everything is deterministic: the model is
+initialised from a seed on CPU (identically on every rank) before sharding, and
+each rank's batch depends only on (seed, data-parallel rank, step, microbatch).
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+VOCAB, DIM, HEADS, MLP_DIM, LAYERS = 97, 36, 3, 100, 3
+BATCH, SEQ = 4, 16
+
+
+class Block(nn.Module):
+    def __init__(self, i: int):
+        super().__init__()
+        # Alternate norm types so both RMSNorm and LayerNorm params are sharded.
+        norm = nn.RMSNorm if i % 2 == 0 else nn.LayerNorm
+        self.attn_norm, self.mlp_norm = norm(DIM), norm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.proj = nn.Linear(DIM, DIM)
+        self.fc1, self.fc2 = nn.Linear(DIM, MLP_DIM), nn.Linear(MLP_DIM, DIM)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(i) for i in range(LAYERS))
+        self.norm = nn.RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        # (batch*seq, vocab) from a 2-D matmul: not a view, so FSDP does not warn about one
+        return self.head(self.norm(x).flatten(0, 1))
+
+
+def batch(seed: int, dp_rank: int, step: int, micro: int = 0, device="cpu"):
+    g = torch.Generator().manual_seed(((seed * 1009 + dp_rank) * 1009 + step) * 1009 + micro)
+    tok = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tok[:, :-1].to(device), tok[:, 1:].to(device)
+
+
+def build(mesh, *, seed=0, reshard_after_forward=True, mp_policy=None, device="cpu"):
+    """Seeded TinyLM, fully_shard per block and on the root, plus AdamW."""
+    torch.manual_seed(seed)
+    model = TinyLM().to(device)
+    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    for blk in model.blocks:
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
+    # eps well above the fp32 noise floor of the gradients: Adam's first update is
+    # ~lr*sign(g), so with a tiny eps a gradient that cancels to ~0 could flip sign
+    # under a different (equally valid) summation order and move a weight by 2*lr.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01)
+    return model, opt
+
+
+def run_steps(model, opt, *, seed=0, start=0, steps=3, grad_accum=1, clip_norm=None, device="cpu"):
+    """Train. Returns per-step local losses, per-step global grad norms (pre-clip), and the
+    last step's reduced full gradients: AdamW is nearly invariant to a gradient's scale,
+    so a reduction bug such as SUM-instead-of-AVG shows in these, not in the weights."""
+    dp_rank = dist.get_rank()
+    losses, norms = [], []
+    for step in range(start, start + steps):
+        total = 0.0
+        for m in range(grad_accum):
+            # Gradient accumulation without communication on all but the last microbatch.
+            model.set_requires_gradient_sync(m == grad_accum - 1)
+            x, y = batch(seed, dp_rank, step, m, device)
+            loss = F.cross_entropy(model(x).float(), y.reshape(-1))
+            (loss / grad_accum).backward()
+            total += loss.item()
+        losses.append(total / grad_accum)
+        params = list(model.parameters())
+        if step == start + steps - 1:
+            grads = {n: p.grad.full_tensor().float().cpu() for n, p in model.named_parameters()}
+        if clip_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "grads": grads}
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Unsharded parameters as CPU float32 tensors (collective: all ranks must call)."""
+    return {n: p.full_tensor().detach().float().cpu() for n, p in model.named_parameters()}
+
+
+def train(mesh, *, seed=0, steps=3, reshard_after_forward=True, mp_policy=None,
+          grad_accum=1, clip_norm=None, device="cpu"):
+    model, opt = build(mesh, seed=seed, reshard_after_forward=reshard_after_forward,
+                       mp_policy=mp_policy, device=device)
+    res = run_steps(model, opt, seed=seed, steps=steps, grad_accum=grad_accum,
+                    clip_norm=clip_norm, device=device)
+    return {**res, "params": full_params(model)}
+
+
+# run_distributed cannot return torch tensors (torch.multiprocessing would share them
+# through file descriptors of a worker that has already exited), so results travel
+# as numpy arrays.
+def to_wire(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: to_wire(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_wire(v) for v in obj)
+    return obj
+
+
+def assert_runs_close(got, ref, *, rtol, atol, what=""):
+    """Compare two `train` results: losses, grad norms, last gradients, final params."""
+    def check(a, b, label):
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} {label}: {m}")
+
+    assert len(got["losses"]) == len(ref["losses"]) > 0
+    check(got["losses"], ref["losses"], "losses")
+    check(got["norms"], ref["norms"], "grad norms")
+    for kind in ("grads", "params"):
+        assert got[kind].keys() == ref[kind].keys()
+        for name in ref[kind]:
+            check(got[kind][name], ref[kind][name], f"{kind[:-1]} {name}")
+
+
+class CallSpy:
+    """Counts eager c10d calls (what FSDP2 issues) per (group, group size, op, dtype, reduce
+    op, async_op). Ops are named "all_gather" / "reduce_scatter" / "all_reduce" whichever
+    ProcessGroup method carries them (torch 2.13: all_gather_single / reduce_scatter_single;
+    older: _allgather_base / _reduce_scatter_base)."""
+
+    OPS = {"all_gather_single": "all_gather", "_allgather_base": "all_gather",
+           "reduce_scatter_single": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+           "allreduce": "all_reduce"}
+
+    def __enter__(self):
+        self.calls, self._orig = collections.Counter(), {}
+        for method, op in self.OPS.items():
+            if not hasattr(dist.ProcessGroup, method):
+                continue
+            orig = self._orig[method] = getattr(dist.ProcessGroup, method)
+
+            def wrapped(pg, *args, _op=op, _orig=orig):
+                opts = args[-1]
+                t = args[0][0] if isinstance(args[0], list) else args[0]
+                red = getattr(opts, "reduceOp", None)
+                red = red if red is None else str(red.op).rsplit(".", 1)[-1]
+                self.calls[(pg.group_name, pg.size(), _op, str(t.dtype), red,
+                            getattr(opts, "asyncOp", None))] += 1
+                return _orig(pg, *args)
+
+            setattr(dist.ProcessGroup, method, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for method, orig in self._orig.items():
+            setattr(dist.ProcessGroup, method, orig)
+
+
+def group_report(spy: CallSpy, device: str = "cpu") -> dict:
+    """Backend name and counters (if exposed) of every group the spied calls used."""
+    out = {}
+    for g_name in {k[0] for k in spy.calls}:
+        pg = dist.distributed_c10d._resolve_process_group(g_name)
+        backend = pg._get_backend(torch.device(device))
+        stats = dict(backend.stats()) if hasattr(backend, "stats") else None
+        out[g_name] = {"backend": backend.name(), "stats": stats}
+    return out
+
+
+def assert_fsdp_used_odc(calls: dict, groups: dict, what=""):
+    """Every group FSDP all-gathered / reduce-scattered in is served by odc, and (if the
+    backend exposes counters) each of those calls took its one-sided path."""
+    counts = collections.Counter()
+    for (g_name, _, op, *_), n in calls.items():
+        counts[g_name, op] += n
+    fsdp_groups = {g for g, op in counts if op in ("all_gather", "reduce_scatter")}
+    assert fsdp_groups, f"{what}: FSDP issued no all-gather / reduce-scatter"
+    for g_name in fsdp_groups:
+        info = groups[g_name]
+        assert info["backend"] == "odc", (what, g_name, info)
+        if info["stats"] is None:  # backend without counters: name check only
+            continue
+        # >=: DTensor.full_tensor also all-gathers through the backend.
+        for op, key in (("all_gather", "all_gather_ops"), ("reduce_scatter", "reduce_scatter_ops")):
+            assert info["stats"].get(key, 0) >= counts[g_name, op], (what, g_name, op, counts[g_name, op], info)
+
+
+def init_params(seed=0) -> dict[str, torch.Tensor]:
+    """The parameters `build` starts from (same names as the FSDP-wrapped model's)."""
+    torch.manual_seed(seed)
+    return {n: p.detach().clone() for n, p in TinyLM().named_parameters()}

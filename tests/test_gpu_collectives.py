@@ -1,0 +1,164 @@
+"""GPU tests: odc ("cpu:gloo,cuda:odc") against NCCL on the same inputs, stream semantics,
+device errors and a stuck peer. Skipped (loudly, see conftest.py) without >= 2 GPUs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from test_collectives import (AG_DTYPES, FLOATS, RS_OPS, ag_case, check_case, check_close,
+                              check_equal, rs_case, wait)
+from test_errors import PEER, check_peer_failure, expect_error, record_failure, wait_for_survivors
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")
+
+BACKEND = "cpu:gloo,cuda:odc"
+# NVLink multicast must stay off on shared hosts.
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SMALL_GPU_RING = {"ODC_CHUNK_BYTES": str(256 << 10), "ODC_RING_SLOTS": "2"}
+BIG = 64 << 20  # bytes: all-gather output / reduce-scatter input of the largest case
+WORLDS = [2, pytest.param(4, marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs >= 4 GPUs"))]
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _sizes(dtype, world):
+    """Per-rank element counts from 1 element up to a 64 MiB collective."""
+    big = BIG // (torch.empty(0, dtype=dtype).element_size() * world)
+    return [1, 7, 1001, 65_537, (1 << 20) + 3, big]
+
+
+def _cases(world):
+    cases = [dict(kind="ag", dtype=d, n=n) for d in AG_DTYPES for n in _sizes(d, world)]
+    cases += [dict(kind="rs", dtype=d, op=op, n=n) for d in FLOATS for op in RS_OPS for n in _sizes(d, world)]
+    for i, c in enumerate(cases):
+        c.update(seed=1000 * i, async_op=i % 2 == 1, wait="future" if i % 4 == 3 else "work",
+                 offset=i % 4, inplace=c["kind"] == "ag" and i % 3 == 0, factor=[2.5, -0.75, 1 / 3][i % 3])
+    return cases
+
+
+def _compare_worker(rank, world):
+    dev, errors = _device(), []
+    nccl = dist.new_group(backend="nccl")
+    for c in _cases(world):
+        what = " ".join(f"{k}={c[k]}" for k in ("kind", "dtype", "n", "op", "async_op", "inplace") if k in c)
+        if c["kind"] == "ag":
+            a, b = (ag_case(c["seed"], c["n"], c["dtype"], rank, world, c["offset"], c["inplace"], dev)
+                    for _ in range(2))
+            work = dist.all_gather_into_tensor(a["out"], a["inp"], async_op=c["async_op"])
+            dist.all_gather_into_tensor(b["out"], b["inp"], group=nccl)
+        else:
+            a, b = (rs_case(c["seed"], c["n"], c["dtype"], rank, world, c["op"], c["factor"], c["offset"], dev)
+                    for _ in range(2))
+            work = dist.reduce_scatter_tensor(a["out"], a["inp"], op=a["redop"], async_op=c["async_op"])
+            dist.reduce_scatter_tensor(b["out"], b["inp"], op=b["redop"], group=nccl)
+        if work is not None:
+            wait(work, c["wait"])  # no synchronize: the checks below run on the current stream
+        errors += check_case(a, f"odc {what}") + check_case(b, f"nccl (sanity) {what}")
+        if c["kind"] == "ag":
+            errors += check_equal(a["out"], b["out"], f"odc vs nccl {what}")
+        else:
+            # both sides may round (NCCL even accumulates in the dtype): allow each its budget
+            errors += check_close(a["out"], b["out"].double(), 2 * a["mag"], c["dtype"], f"odc vs nccl {what}")
+        del a, b
+    return errors
+
+
+@pytest.mark.parametrize("env", [{}, SMALL_GPU_RING], ids=["default-env", "chunk256k-slots2"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_matches_nccl(world, env):
+    res = run_distributed(_compare_worker, world, backend=BACKEND, env={**GPU_ENV, **env},
+                          timeout_s=120, deadline_s=500)
+    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
+    assert not errors, f"{len(errors)} mismatches:\n" + "\n".join(errors[:40])
+
+
+def _streams_worker(rank, world):
+    """The op must wait for the input written on the current stream, and work.wait() issued on
+    another stream must order that stream after the op."""
+    dev, errors = _device(), []
+    side = torch.cuda.Stream()
+    for i, kind in enumerate(["ag", "rs", "ag", "rs"]):
+        c = (ag_case(i, (1 << 20) + 1, torch.bfloat16, rank, world, device=dev) if kind == "ag" else
+             rs_case(i, (1 << 20) + 1, torch.float32, rank, world, "avg", device=dev))
+        ready = c["inp"].clone()
+        c["inp"].fill_(float("nan"))
+        torch.cuda._sleep(50_000_000)  # the real input lands late on the current stream
+        c["inp"].copy_(ready)
+        if kind == "ag":
+            work = dist.all_gather_into_tensor(c["out"], c["inp"], async_op=True)
+        else:
+            work = dist.reduce_scatter_tensor(c["out"], c["inp"], op=c["redop"], async_op=True)
+        with torch.cuda.stream(side):
+            wait(work, "work" if i < 2 else "future")
+            seen = c["out"].clone()  # consumed on the side stream
+        torch.cuda.current_stream().wait_stream(side)
+        errors += check_case({**c, "out": seen}, f"{kind} consumed on another stream")
+    return errors
+
+
+def test_async_wait_on_other_stream():
+    res = run_distributed(_streams_worker, 2, backend=BACKEND, env=GPU_ENV, timeout_s=60, deadline_s=300)
+    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
+    assert not errors, "\n".join(errors)
+
+
+def _device_errors_worker(rank, world):
+    dev, errors, n = _device(), [], 8
+    e = torch.empty
+    cuda_only, cpu_only = dist.new_group(backend="cuda:odc"), dist.new_group(backend="cpu:odc")
+    other = torch.device("cuda", (dev.index + 1) % torch.cuda.device_count())
+    cases = [
+        ("AG input on CPU", lambda a: dist.all_gather_into_tensor(e(world * n, device=dev), e(n), async_op=a)),
+        ("AG output on CPU", lambda a: dist.all_gather_into_tensor(e(world * n), e(n, device=dev), async_op=a)),
+        ("RS input on CPU", lambda a: dist.reduce_scatter_tensor(e(n, device=dev), e(world * n), async_op=a)),
+        ("CPU tensors into a cuda-only odc group",
+         lambda a: dist.all_gather_into_tensor(e(world * n), e(n), group=cuda_only, async_op=a)),
+        ("CUDA tensors into a cpu-only odc group",
+         lambda a: dist.all_gather_into_tensor(e(world * n, device=dev), e(n, device=dev), group=cpu_only, async_op=a)),
+        ("tensors on another rank's GPU",
+         lambda a: dist.all_gather_into_tensor(e(world * n, device=other), e(n, device=other), async_op=a)),
+    ]
+    c = ag_case(0, 100, torch.float32, rank, world, device=dev)  # set up the cuda channel first
+    dist.all_gather_into_tensor(c["out"], c["inp"])
+    errors += check_case(c, "AG before errors")
+    for i, (name, fn) in enumerate(cases):
+        for async_op in (False, True):
+            problem = expect_error(fn, async_op, "device")
+            if problem:
+                errors.append(f"{name} async_op={async_op}: {problem}")
+            c = ag_case(10 * i + async_op, 4097, torch.bfloat16, rank, world, offset=i % 4, device=dev)
+            dist.all_gather_into_tensor(c["out"], c["inp"])
+            errors += check_case(c, f"AG after {name} async_op={async_op}")
+    return errors
+
+
+def test_device_errors():
+    res = run_distributed(_device_errors_worker, 2, backend=BACKEND, env=GPU_ENV, timeout_s=60, deadline_s=300)
+    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
+    assert not errors, "\n".join(errors)
+
+
+def _stuck_peer_worker(rank, world, mode, tmpdir):
+    dev = _device()
+    c = ag_case(1, 1 << 20, torch.float32, rank, world, device=dev)
+    dist.all_gather_into_tensor(c["out"], c["inp"])
+    torch.cuda.synchronize()
+    if rank == PEER:  # skips the next collectives
+        wait_for_survivors(tmpdir, world)
+        return None
+
+    def body():
+        # The failure may surface at the call, at synchronize(), or at the next odc call.
+        dist.all_gather_into_tensor(c["out"], c["inp"])
+        torch.cuda.synchronize()
+        dist.all_gather_into_tensor(c["out"], c["inp"])
+        torch.cuda.synchronize()
+    record_failure(tmpdir, rank, body)
+
+
+def test_stuck_peer_times_out(tmp_path):
+    check_peer_failure(_stuck_peer_worker, 2, "sleep", tmp_path, backend=BACKEND, env=GPU_ENV)

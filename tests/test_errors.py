@@ -185,3 +185,22 @@ def _dead_peer_worker(rank, world, mode, tmpdir, async_op):
 @pytest.mark.parametrize("mode,async_op", [("exit", False), ("sleep", False), ("sleep", True)])
 def test_dead_or_stuck_peer_times_out(mode, async_op, tmp_path):
     check_peer_failure(_dead_peer_worker, 3, mode, tmp_path, async_op)
+
+
+def _window_too_large_worker(rank, world):
+    out, inp = torch.empty(8 * world), torch.ones(8)
+    try:
+        dist.all_gather_into_tensor(out, inp)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_window_that_cannot_be_allocated_raises_clearly():
+    # 1 TiB ring slots: the shared-memory window cannot be backed, on every rank alike.
+    msgs = run_distributed(_window_too_large_worker, 2, env={"ODC_CHUNK_BYTES": "1G",
+                                                             "ODC_RING_SLOTS": "1024"},
+                           deadline_s=120)
+    for rank, msg in msgs.items():
+        assert msg is not None, f"rank {rank}: an impossible window was allocated"
+        assert re.search(r"MiB", msg) and "ODC_CHUNK_BYTES" in msg, f"rank {rank}: {msg}"

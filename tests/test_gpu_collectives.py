@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import torch_odc_backend  # noqa: F401  (registers "odc" in this process too)
 from dist_utils import run_distributed
 from test_collectives import (AG_DTYPES, FLOATS, RS_OPS, ag_case, check_case, check_close,
                               check_equal, rs_case, wait)
@@ -162,3 +163,13 @@ def _stuck_peer_worker(rank, world, mode, tmpdir):
 
 def test_stuck_peer_times_out(tmp_path):
     check_peer_failure(_stuck_peer_worker, 2, "sleep", tmp_path, backend=BACKEND, env=GPU_ENV)
+
+
+def test_device_id_is_refused_with_advice(tmp_path):
+    # DeviceMesh would split a group bound to a device; odc refuses at init and says what to do.
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    with pytest.raises(RuntimeError, match="set_device"):
+        dist.init_process_group("cpu:gloo,cuda:odc", store=store, rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -39,7 +40,9 @@ def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, que
                 dist.destroy_process_group()
             except Exception:
                 pass
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensors by value: torch's queue would share them through file
+        # descriptors of this process, which are gone once it exits.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including KeyboardInterrupt
         queue.put((rank, "err", traceback.format_exc()))
 
@@ -98,4 +101,4 @@ def run_distributed(
         for r, tb in sorted(unexpected.items()):
             msg.append(f"--- rank {r} ---\n{tb}")
         raise AssertionError("\n".join(msg))
-    return {r: payload for r, (s, payload) in results.items()}
+    return {r: pickle.loads(payload) if s == "ok" else payload for r, (s, payload) in results.items()}

@@ -17,7 +17,8 @@
 # (default 450 s), so the whole suite stays well under 9 minutes.
 # Outputs in $OUT: <stage>.log, gpu_tests_<n>gpu.log, env.log, summary.txt,
 # benchmarks/results/collectives_*.{json,png} and tests/results/gpu_tests_<kind>_<date>.log
-# (the repository layout of DESIGN.md §6, ready to copy into the repo).
+# (the repository layout of DESIGN.md §6, ready to copy into the repo), packed into
+# $OUT/suite.tar.gz beside summary.txt unless SUITE_PACK=0.
 set -uo pipefail
 export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -169,4 +170,12 @@ EOF
     done
     [ "$FAILED" -eq 0 ] && echo "RESULT: all stages passed" || echo "RESULT: some stages FAILED"
 } | tee "$OUT/summary.txt"
+
+# The device tool returns at most 8 files: pack everything but the summary into one archive.
+if [ "${SUITE_PACK:-1}" = 1 ]; then
+    (cd "$OUT" && find . -type f ! -name summary.txt ! -name suite.tar.gz -print0 |
+        tar czf suite.tar.gz --null -T - && find . -type f ! -name summary.txt ! -name suite.tar.gz -delete
+     find . -mindepth 1 -type d -empty -delete)
+    echo "packed the logs and results into $OUT/suite.tar.gz"
+fi
 exit "$FAILED"

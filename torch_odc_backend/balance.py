@@ -113,6 +113,13 @@ def _check_positive_int(value: Any, name: str) -> int:
     return value
 
 
+def _check_fits(lengths: Sequence[int], max_tokens: int) -> None:
+    """Every sample must fit in one microbatch; name the first that does not."""
+    for i, length in enumerate(lengths):
+        if length > max_tokens:
+            raise ValueError(f"sample {i} has {length} tokens, more than max_tokens={max_tokens}")
+
+
 def _check_costs(costs: Iterable[Any]) -> list[float]:
     out = []
     for i, value in enumerate(costs):
@@ -454,9 +461,7 @@ def pack(lengths: Sequence[int], max_tokens: int, cost: CostModel, *,
     lengths = _check_lengths(lengths)
     _check_positive_int(max_tokens, "max_tokens")
     _check_positive_int(multiple_of, "multiple_of")
-    for i, length in enumerate(lengths):
-        if length > max_tokens:
-            raise ValueError(f"sample {i} has {length} tokens, more than max_tokens={max_tokens}")
+    _check_fits(lengths, max_tokens)
     n = len(lengths)
     if n == 0:
         return []
@@ -534,9 +539,7 @@ def lb_mini(lengths: Sequence[int], world_size: int, max_tokens: int, cost: Cost
     lengths = _check_lengths(lengths)
     _check_positive_int(world_size, "world_size")
     _check_positive_int(max_tokens, "max_tokens")
-    for i, length in enumerate(lengths):
-        if length > max_tokens:
-            raise ValueError(f"sample {i} has {length} tokens, more than max_tokens={max_tokens}")
+    _check_fits(lengths, max_tokens)
     fixed = _eval_cost(cost, [])
     marginal = [max(0.0, _eval_cost(cost, [length]) - fixed) for length in lengths]
     plan: Plan = []

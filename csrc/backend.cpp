@@ -231,9 +231,8 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
     TORCH_CHECK_VALUE(big == small * world, "odc: ", api, ": size mismatch: ",
                       ag ? "output" : "input", " has ", big, " elements but must have ",
                       ag ? "input" : "output", " size x world size = ", small, " x ", world);
-    if (!ag) to_dtype(in.scalar_type(), api);
   }
-  // One reduction spec per tensor: a coalesced call may mix dtypes.
+  // One reduction spec per tensor (a coalesced call may mix dtypes); also checks the dtype.
   std::vector<ReduceSpec> specs(inputs.size());
   std::vector<at::Tensor> factors;  // tensor PREMUL factors, converted per dtype
   if (!ag) {

@@ -143,6 +143,23 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10
   TORCH_CHECK(false, kNoDeviceId);
 }
 
+void OdcBackend::release_inners(bool abort) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_.empty()) broken_ = "the group was shut down";
+  }
+  std::map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>> inners;
+  {
+    std::lock_guard<std::mutex> lock(inner_mu_);
+    inners.swap(inners_);
+  }
+  for (auto& [type, b] : inners) abort ? b->abort() : b->shutdown();
+  // Dropping the last references here joins the inner backends' threads.
+}
+
+void OdcBackend::shutdown() { release_inners(false); }
+void OdcBackend::abort() { release_inners(true); }
+
 void OdcBackend::check_usable() {
   TORCH_CHECK(broken_.empty(), "odc: group '", group_name_,
               "' is unusable after an earlier communication error: ", broken_);
@@ -378,8 +395,11 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter_tensor_coalesced(
 // ---- Delegation to the inner backend of the tensors' device type.
 
 c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
-  static std::mutex inner_mu;  // factories run Python; creation must not interleave
-  std::lock_guard<std::mutex> lock(inner_mu);
+  std::lock_guard<std::mutex> lock(inner_mu_);
+  {
+    std::lock_guard<std::mutex> state(mu_);
+    check_usable();
+  }
   auto it = inners_.find(type);
   if (it != inners_.end()) return it->second;
   TORCH_CHECK(inner_factory_, "odc: no inner backend factory for delegated collectives");

@@ -55,6 +55,10 @@ class OdcBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
                                           const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
+  // destroy_process_group: stop and release the inner backends now, so their worker
+  // threads are joined here and not while the interpreter finalizes.
+  void shutdown() override;
+  void abort() override;
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return seq_; }
 
@@ -116,6 +120,7 @@ class OdcBackend final : public c10d::Backend {
 
  private:
   enum class Kind { AllGather, ReduceScatter };
+  void release_inners(bool abort);
   c10::intrusive_ptr<c10d::Work> run(Kind kind, std::vector<at::Tensor>& outputs,
                                      std::vector<at::Tensor>& inputs, bool async_op,
                                      const c10d::ReduceOp* op, const char* api);
@@ -128,6 +133,7 @@ class OdcBackend final : public c10d::Backend {
   InnerFactory inner_factory_;
   Knobs knobs_;
   std::map<c10::DeviceType, Channel> channels_;
+  std::mutex inner_mu_;  // guards inners_; held while a factory (Python) creates one
   std::map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>> inners_;
   std::mutex mu_;  // ops on one group may be issued from several threads
   std::string broken_;  // set once a communication error left the group unusable

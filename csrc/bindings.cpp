@@ -9,14 +9,24 @@ namespace py = pybind11;
 
 namespace {
 
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 // Wrap a Python callable so C++ may call it (and drop it) from any thread.
 odc::InnerFactory wrap_factory(py::object fn) {
   if (fn.is_none()) return nullptr;
   std::shared_ptr<py::object> holder(new py::object(std::move(fn)), [](py::object* o) {
-    if (Py_IsInitialized()) {
+    // Taking the GIL while the interpreter finalizes ends the thread from inside this
+    // destructor (std::terminate); then leaking the reference is the only safe choice.
+    if (Py_IsInitialized() && !python_finalizing()) {
       py::gil_scoped_acquire gil;
       delete o;
-    }  // else: the interpreter is gone; leaking the reference is the only safe choice
+    }
   });
   return [holder](const std::string& device) {
     py::gil_scoped_acquire gil;

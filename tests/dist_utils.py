@@ -94,6 +94,11 @@ def run_distributed(
                 p.join()
     expect_failure_ranks = expect_failure_ranks or set()
     missing = [r for r in range(world_size) if r not in results]
+    # A worker that reported but then crashed on the way out (teardown) is a failure too.
+    crashed = {r: p.exitcode for r, p in enumerate(procs)
+               if r in results and results[r][0] == "ok" and p.exitcode not in (0, None)}
+    for r, code in crashed.items():
+        results[r] = ("err", f"exited with code {code} after returning its result")
     errors = {r: payload for r, (s, payload) in results.items() if s == "err"}
     unexpected = {r: e for r, e in errors.items() if r not in expect_failure_ranks}
     if missing or unexpected:

@@ -14,7 +14,8 @@
 #   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, reference (NCCL)
 #
 # Every stage runs under a timeout clamped to what is left of SUITE_BUDGET_S
-# (default 450 s), so the whole suite stays well under 9 minutes.
+# (default 450 s), so the whole suite stays well under 9 minutes. TEST_GPUS / BENCH_GPUS
+# (default "2 4") choose the GPU counts the tests / benchmark run on.
 # Outputs in $OUT: <stage>.log, gpu_tests_<n>gpu.log, env.log, summary.txt,
 # benchmarks/results/collectives_*.{json,png} and tests/results/gpu_tests_<kind>_<date>.log
 # (the repository layout of DESIGN.md §6, ready to copy into the repo), packed into
@@ -101,7 +102,7 @@ stage_build() {
 
 stage_tests() {
     local n
-    for n in 2 4; do
+    for n in ${TEST_GPUS:-2 4}; do
         if [ "$NGPU" -lt "$n" ]; then skip_step "tests_${n}gpu" "only $NGPU GPUs"; continue; fi
         local log="$OUT/gpu_tests_${n}gpu.log"
         run_step "tests_${n}gpu" 150 "$log" \
@@ -113,7 +114,7 @@ stage_tests() {
 
 stage_bench() {
     local n
-    for n in 2 4; do
+    for n in ${BENCH_GPUS:-2 4}; do
         if [ "$NGPU" -lt "$n" ]; then skip_step "bench_${n}gpu" "only $NGPU GPUs"; continue; fi
         run_step "bench_${n}gpu" 150 "$OUT/bench_${n}gpu.log" \
             env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" \

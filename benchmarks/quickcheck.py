@@ -83,10 +83,53 @@ def timeit(fn, iters=10, warm=3):
     return ts[len(ts) // 2]
 
 
+def probe(odc, nccl, rank, world, dev, mib=1):
+    """Where a small operation's time goes: host time to enqueue one op, GPU time per op
+    in a loop of back-to-back ops, and (rank 0) the profiler's device-side breakdown."""
+    import time
+    total = (mib << 20) // 2
+    x = torch.randn(total // world, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(total, device=dev, dtype=torch.bfloat16)
+    big = torch.randn(total, device=dev, dtype=torch.bfloat16)
+    r = torch.empty(total // world, device=dev, dtype=torch.bfloat16)
+    res, n = {}, 50
+    for name, grp in [("odc", odc), ("nccl", nccl)]:
+        for op, fn in [("ag", lambda: dist.all_gather_into_tensor(out, x, group=grp)),
+                       ("rs", lambda: dist.reduce_scatter_tensor(r, big, group=grp))]:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            dist.barrier(group=nccl)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            s.record()
+            for _ in range(n):
+                fn()
+            e.record()
+            host = (time.perf_counter() - t0) / n * 1e6
+            e.synchronize()
+            res[f"{op}_{name}"] = {"host_enqueue_us": host, "gpu_loop_us": s.elapsed_time(e) * 1e3 / n}
+    if rank == 0:
+        for k, v in res.items():
+            print(f"PROBE {mib} MiB {k}: host enqueue {v['host_enqueue_us']:.1f} us/op, "
+                  f"GPU {v['gpu_loop_us']:.1f} us/op in a loop of {n}", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            dist.all_gather_into_tensor(out, x, group=odc)
+        for _ in range(10):
+            dist.reduce_scatter_tensor(r, big, group=odc)
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+    return res
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json", default="")
     p.add_argument("--sizes-mib", default="1,4,16,64,256,512")
+    p.add_argument("--probe", action="store_true", help="also break down 1 MiB op latency")
     args = p.parse_args()
     rank = int(os.environ["RANK"])
     local = int(os.environ["LOCAL_RANK"])
@@ -101,6 +144,7 @@ def main():
     odc = dist.group.WORLD
     nccl = dist.new_group(backend="nccl")
     bad = check(odc, nccl, rank, world, dev)
+    probed = probe(odc, nccl, rank, world, dev) if args.probe else None
     rows = []
     for mib in [int(s) for s in args.sizes_mib.split(",")]:
         total = (mib << 20) // 2
@@ -129,7 +173,7 @@ def main():
                   f"{r['rs_nccl_us']:>10.1f} {r['rs_odc_busbw']:>9.1f} {r['rs_nccl_busbw']:>9.1f}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world": world, "bad": bad, "rows": rows,
+                json.dump({"world": world, "bad": bad, "rows": rows, "probe": probed,
                            "env": {k: v for k, v in os.environ.items() if k.startswith("ODC_")}}, f)
     dist.destroy_process_group()
 

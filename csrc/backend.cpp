@@ -264,8 +264,8 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
           TORCH_CHECK_VALUE(sup, "odc: ", api, ": PREMUL_SUM without a factor");
           if (sup->tensor_factor.defined()) {
             factors.push_back(
-                sup->tensor_factor.to(device, inputs[i].scalar_type()).contiguous());
-            spec.scale_ptr = factors.back().data_ptr();
+                sup->tensor_factor.to(device, at::kFloat).contiguous());
+            spec.scale_ptr = factors.back().data_ptr<float>();
           } else {
             spec.scale = sup->double_factor;
           }

@@ -68,30 +68,63 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
 // out = scale * sum_j src[j], summed in fp32 in source (rank) order.
+// A few blocks must stream at HBM speed, so each thread keeps kUnroll 16-byte
+// loads of every source in flight before it accumulates (memory-level
+// parallelism instead of occupancy: the kernel shares the GPU with compute).
+constexpr int kUnroll = 4;
+
 template <typename T>
 __global__ void reduce_kernel(ReduceOpArgs a) {
-  const float scale = a.scale_ptr ? to_f<T>(*static_cast<const T*>(a.scale_ptr)) : a.scale;
+  const float scale = a.scale_ptr ? *a.scale_ptr : a.scale;
   constexpr int V = 16 / sizeof(T);
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  const size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  union U { uint4 raw; T e[V]; };
+  const size_t threads = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t nvec = a.vectorized ? a.numel / V : 0;
-  for (size_t i = first; i < nvec; i += stride) {
+  const uint4* const* src = reinterpret_cast<const uint4* const*>(a.src);
+  uint4* dst = static_cast<uint4*>(a.dst);
+  // Groups of kUnroll vectors, strided by the grid: vector (base + u * threads).
+  const size_t full = nvec / (threads * kUnroll) * (threads * kUnroll);
+  for (size_t base = tid; base < full; base += threads * kUnroll) {
+    float acc[kUnroll][V];
+    U u[kUnroll];
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) u[r].raw = src[0][base + r * threads];
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r)
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[r][k] = to_f<T>(u[r].e[k]);
+    for (int j = 1; j < a.n_src; ++j) {
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) u[r].raw = src[j][base + r * threads];
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r)
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[r][k] += to_f<T>(u[r].e[k]);
+    }
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) u[r].e[k] = from_f<T>(acc[r][k] * scale);
+      dst[base + r * threads] = u[r].raw;
+    }
+  }
+  for (size_t i = full + tid; i < nvec; i += threads) {  // the vectors left over
     float acc[V];
-    union U { uint4 raw; T e[V]; };
     U u;
-    u.raw = reinterpret_cast<const uint4*>(a.src[0])[i];
+    u.raw = src[0][i];
 #pragma unroll
     for (int k = 0; k < V; ++k) acc[k] = to_f<T>(u.e[k]);
     for (int j = 1; j < a.n_src; ++j) {
-      u.raw = reinterpret_cast<const uint4*>(a.src[j])[i];
+      u.raw = src[j][i];
 #pragma unroll
       for (int k = 0; k < V; ++k) acc[k] += to_f<T>(u.e[k]);
     }
 #pragma unroll
     for (int k = 0; k < V; ++k) u.e[k] = from_f<T>(acc[k] * scale);
-    reinterpret_cast<uint4*>(a.dst)[i] = u.raw;
+    dst[i] = u.raw;
   }
-  for (size_t i = nvec * V + first; i < a.numel; i += stride) {
+  for (size_t i = nvec * V + tid; i < a.numel; i += threads) {  // elements, when unaligned
     float acc = to_f<T>(static_cast<const T*>(a.src[0])[i]);
     for (int j = 1; j < a.n_src; ++j) acc += to_f<T>(static_cast<const T*>(a.src[j])[i]);
     static_cast<T*>(a.dst)[i] = from_f<T>(acc * scale);
@@ -116,7 +149,7 @@ cudaError_t preload_kernels() {
 
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, int blocks, cudaStream_t stream) {
   constexpr int kThreads = 512;
-  const size_t per_block = static_cast<size_t>(kThreads) * 8;
+  const size_t per_block = static_cast<size_t>(kThreads) * 8 * kUnroll;
   const int needed = static_cast<int>((args.numel + per_block - 1) / per_block);
   const int grid = needed < blocks ? (needed > 0 ? needed : 1) : blocks;
   switch (dtype) {

@@ -47,7 +47,7 @@ struct ReduceOpArgs {
   void* dst;
   size_t numel;
   float scale;
-  const void* scale_ptr;  // overrides `scale` when set (device pointer, element type)
+  const float* scale_ptr;  // overrides `scale` when set (device pointer)
   bool vectorized;        // every pointer 16-byte aligned
 };
 

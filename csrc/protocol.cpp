@@ -56,8 +56,11 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
   char* out_b = static_cast<char*>(out);
   const char* in_b = static_cast<const char*>(in);
   char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
-  if (my_part != in_b && shard_bytes > 0) t_->copy(0, my_part, in_b, shard_bytes);
-  if (world_ == 1) return;
+  const bool copy_own = my_part != in_b && shard_bytes > 0;
+  if (world_ == 1) {
+    if (copy_own) t_->copy(0, my_part, in_b, shard_bytes);
+    return;
+  }
 
   const size_t C = layout_.chunk_bytes;
   const uint64_t nchunks = (shard_bytes + C - 1) / C;
@@ -87,6 +90,8 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
     }
   }
   ag_chunks_ += nchunks;
+  // Our own part last: the peers' gets wait on the publishes above, not on this.
+  if (copy_own) t_->copy(0, my_part, in_b, shard_bytes);
 }
 
 // For chunk k: put this rank's contribution for every owner into that owner's

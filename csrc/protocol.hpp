@@ -31,7 +31,7 @@ const char* dtype_name(DType d);
 struct ReduceSpec {
   DType dtype = DType::F32;
   double scale = 1.0;                  // AVG: 1/world; PREMUL_SUM: factor
-  const void* scale_ptr = nullptr;     // PREMUL_SUM with a tensor factor (dtype `dtype`)
+  const float* scale_ptr = nullptr;    // PREMUL_SUM with a tensor factor (converted to fp32)
 };
 
 // Byte layout of a window; identical on every rank of a group.

@@ -48,13 +48,7 @@ void reduce_typed(void* dst, const std::vector<const void*>& srcs, size_t numel,
 }
 
 float host_scale(const ReduceSpec& spec) {
-  if (!spec.scale_ptr) return static_cast<float>(spec.scale);
-  switch (spec.dtype) {
-    case DType::F32: return *static_cast<const float*>(spec.scale_ptr);
-    case DType::BF16: return static_cast<float>(*static_cast<const c10::BFloat16*>(spec.scale_ptr));
-    case DType::F16: return static_cast<float>(*static_cast<const c10::Half*>(spec.scale_ptr));
-  }
-  return 1.0f;
+  return spec.scale_ptr ? *spec.scale_ptr : static_cast<float>(spec.scale);
 }
 
 }  // namespace

@@ -96,7 +96,8 @@ def reduce_op(name: str, factor: float, world: int, dtype, device="cpu"):
         return dist.ReduceOp.AVG, 1.0 / world
     if name == "premul_float":
         return dist._make_nccl_premul_sum(factor), factor
-    t = torch.tensor(factor, dtype=dtype, device=device)  # 0-dim tensor factor, data dtype
+    # 0-dim tensor factor: NCCL takes it in the data dtype, except fp32 for bf16 data
+    t = torch.tensor(factor, dtype=torch.float32 if dtype == torch.bfloat16 else dtype, device=device)
     return dist._make_nccl_premul_sum(t), float(t)
 
 

@@ -23,6 +23,7 @@ constexpr size_t kDefaultChunkCpu = 1 << 20;
 constexpr size_t kDefaultChunkCuda = 32 << 20;
 constexpr int kDefaultSlots = 4;
 constexpr int kDefaultReduceBlocks = 16;
+constexpr size_t kDefaultSmallOpBytes = 1 << 20;
 
 // The Work of a one-sided collective. CPU work is complete when returned; CUDA
 // work completes on the operation's stream, and wait() only makes the caller's
@@ -190,7 +191,9 @@ Channel& OdcBackend::channel(const c10::Device& device) {
     if (cuda) {
 #ifdef ODC_WITH_CUDA
       const int blocks = knobs_.reduce_blocks ? knobs_.reduce_blocks : kDefaultReduceBlocks;
-      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks);
+      const size_t small = knobs_.small_op_bytes < 0 ? kDefaultSmallOpBytes
+                                                     : static_cast<size_t>(knobs_.small_op_bytes);
+      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks, small);
       c10::cuda::CUDAGuard g(device.index());
       cudaStream_t s;
       int lo = 0, hi = 0;

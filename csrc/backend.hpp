@@ -28,6 +28,7 @@ struct Knobs {
   size_t chunk_bytes = 0;  // 0: per-device default
   int ring_slots = 0;
   int reduce_blocks = 0;
+  int64_t small_op_bytes = -1;  // -1: default; 0: no fused small-op kernel
 };
 
 // One transport + protocol per device type this group has moved data on.

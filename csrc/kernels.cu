@@ -22,6 +22,33 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
+// Spin until *flag >= target. Returns false when the wait timed out (recorded in
+// err) or the group already failed (err->code set by another wait).
+__device__ bool wait_counter(const uint64_t* flag, uint64_t target, uint64_t start,
+                             unsigned long long timeout_ns, DeviceError* err_ptr, int peer,
+                             unsigned long long op_seq, const char* op, const char* what) {
+  volatile DeviceError* err = err_ptr;
+  uint64_t seen;
+  uint32_t iter = 0;
+  while ((seen = load_acquire(flag)) < target) {
+    if ((++iter & 1023u) != 0) continue;
+    if (err->code != 0) return false;  // the group already failed: drain the stream quickly
+    if (global_ns() - start > timeout_ns) {
+      err->peer = peer;
+      err->op_seq = op_seq;
+      err->target = target;
+      err->seen = seen;
+      err->op = op;
+      err->what = what;
+      __threadfence_system();
+      err->code = 1;
+      __threadfence_system();
+      return false;
+    }
+  }
+  return true;
+}
+
 __global__ void flag_kernel(FlagOp op) {
   const int t = threadIdx.x;
   if (op.n_signal > 0) {
@@ -29,26 +56,11 @@ __global__ void flag_kernel(FlagOp op) {
     for (int i = t; i < op.n_signal; i += blockDim.x) store_release(op.signal[i], op.signal_value);
   }
   if (op.n_wait == 0) return;
-  volatile DeviceError* err = op.err;
   const uint64_t start = global_ns();
   for (int i = t; i < op.n_wait; i += blockDim.x) {
-    uint64_t seen;
-    uint32_t iter = 0;
-    while ((seen = load_acquire(op.wait[i])) < op.wait_target) {
-      if ((++iter & 1023u) != 0) continue;
-      if (err->code != 0) return;  // the group already failed: drain the stream quickly
-      if (global_ns() - start > op.timeout_ns) {
-        err->peer = op.wait_peer[i];
-        err->op_seq = op.op_seq;
-        err->target = op.wait_target;
-        err->seen = seen;
-        err->op = op.op;
-        err->what = op.what;
-        __threadfence_system();
-        err->code = 1;
-        __threadfence_system();
-        return;
-      }
+    if (!wait_counter(op.wait[i], op.wait_target, start, op.timeout_ns, op.err, op.wait_peer[i],
+                      op.op_seq, op.op, op.what)) {
+      return;
     }
   }
 }
@@ -131,7 +143,132 @@ __global__ void reduce_kernel(ReduceOpArgs a) {
   }
 }
 
+// ---- The fused small-operation kernel (one block per lane).
+
+// Copy `bytes` with the whole block, in the widest unit both pointers allow.
+template <typename U, int kUnrollCopy>
+__device__ __forceinline__ void block_copy_units(char* dst, const char* src, size_t n_units) {
+  const U* s = reinterpret_cast<const U*>(src);
+  U* d = reinterpret_cast<U*>(dst);
+  const size_t step = static_cast<size_t>(blockDim.x) * kUnrollCopy;
+  size_t i = threadIdx.x;
+  for (; i + (kUnrollCopy - 1) * blockDim.x < n_units; i += step) {
+    U v[kUnrollCopy];
+#pragma unroll
+    for (int r = 0; r < kUnrollCopy; ++r) v[r] = s[i + r * blockDim.x];
+#pragma unroll
+    for (int r = 0; r < kUnrollCopy; ++r) d[i + r * blockDim.x] = v[r];
+  }
+  for (; i < n_units; i += blockDim.x) d[i] = s[i];
+}
+
+__device__ void block_copy(void* dst_v, const void* src_v, size_t bytes) {
+  char* dst = static_cast<char*>(dst_v);
+  const char* src = static_cast<const char*>(src_v);
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  size_t done;
+  if (mis % 16 == 0) {
+    block_copy_units<uint4, 8>(dst, src, bytes / 16);
+    done = bytes / 16 * 16;
+  } else if (mis % 8 == 0) {
+    block_copy_units<uint2, 8>(dst, src, bytes / 8);
+    done = bytes / 8 * 8;
+  } else if (mis % 4 == 0) {
+    block_copy_units<uint32_t, 8>(dst, src, bytes / 4);
+    done = bytes / 4 * 4;
+  } else if (mis % 2 == 0) {
+    block_copy_units<uint16_t, 8>(dst, src, bytes / 2);
+    done = bytes / 2 * 2;
+  } else {
+    done = 0;
+  }
+  for (size_t i = done + threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+}
+
+// dst = scale * sum_j src[j] with the whole block, fp32 in source order (as reduce_kernel).
+template <typename T>
+__device__ void block_reduce(void* dst_v, const void* const* srcs, int n_src, size_t numel,
+                             float scale) {
+  constexpr int V = 16 / sizeof(T);
+  union U { uint4 raw; T e[V]; };
+  uintptr_t mis = reinterpret_cast<uintptr_t>(dst_v);
+  for (int j = 0; j < n_src; ++j) mis |= reinterpret_cast<uintptr_t>(srcs[j]);
+  const size_t nvec = mis % 16 == 0 ? numel / V : 0;
+  for (size_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+    float acc[V];
+    U u;
+    u.raw = static_cast<const uint4*>(srcs[0])[i];
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[k] = to_f<T>(u.e[k]);
+    for (int j = 1; j < n_src; ++j) {
+      u.raw = static_cast<const uint4*>(srcs[j])[i];
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] += to_f<T>(u.e[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) u.e[k] = from_f<T>(acc[k] * scale);
+    static_cast<uint4*>(dst_v)[i] = u.raw;
+  }
+  for (size_t i = nvec * V + threadIdx.x; i < numel; i += blockDim.x) {
+    float acc = to_f<T>(static_cast<const T*>(srcs[0])[i]);
+    for (int j = 1; j < n_src; ++j) acc += to_f<T>(static_cast<const T*>(srcs[j])[i]);
+    static_cast<T*>(dst_v)[i] = from_f<T>(acc * scale);
+  }
+}
+
+__global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_constant__ FusedOp op) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const uint64_t start = global_ns();
+  const int lane = blockIdx.x;
+  for (int i = op.lane_begin[lane]; i < op.lane_begin[lane + 1]; ++i) {
+    const FusedStep& s = op.steps[i];
+    switch (s.kind) {
+      case kStepWait:
+        if (threadIdx.x < s.n) {
+          const int k = s.first + threadIdx.x;
+          if (!wait_counter(static_cast<const uint64_t*>(op.ptrs[k]), s.value, start,
+                            op.timeout_ns, op.err, op.peers[k], op.op_seq, op.op, s.what)) {
+            failed = 1;
+          }
+        }
+        __syncthreads();
+        if (failed) return;  // the error is recorded; later steps would read garbage
+        break;
+      case kStepSignal:
+        __threadfence_system();  // this block's writes before the counters
+        __syncthreads();
+        if (threadIdx.x < s.n) {
+          store_release(static_cast<uint64_t*>(const_cast<void*>(op.ptrs[s.first + threadIdx.x])),
+                        s.value);
+        }
+        break;
+      case kStepCopy:
+        block_copy(s.dst, s.src, s.value);
+        __syncthreads();
+        break;
+      case kStepReduce: {
+        const float scale = s.scale_ptr ? *s.scale_ptr : s.scale;
+        const void* const* srcs = op.ptrs + s.first;
+        switch (static_cast<DType>(s.dtype)) {
+          case DType::F32: block_reduce<float>(s.dst, srcs, s.n, s.value, scale); break;
+          case DType::BF16: block_reduce<__nv_bfloat16>(s.dst, srcs, s.n, s.value, scale); break;
+          case DType::F16: block_reduce<__half>(s.dst, srcs, s.n, s.value, scale); break;
+        }
+        __syncthreads();  // a following copy or signal sees the whole result
+        break;
+      }
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_fused(const FusedOp& op, cudaStream_t stream) {
+  fused_kernel<<<op.lanes, kFusedThreads, 0, stream>>>(op);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream) {
   flag_kernel<<<1, 32, 0, stream>>>(op);
@@ -141,6 +278,7 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream) {
 cudaError_t preload_kernels() {
   cudaFuncAttributes attr;
   cudaError_t e = cudaFuncGetAttributes(&attr, flag_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, fused_kernel);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<float>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<__nv_bfloat16>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<__half>);

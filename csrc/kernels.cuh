@@ -51,6 +51,44 @@ struct ReduceOpArgs {
   bool vectorized;        // every pointer 16-byte aligned
 };
 
+// A small collective as one kernel: block b runs lane b's steps in order with SM
+// loads and stores. For small operations the launch and synchronisation costs of
+// the copy-engine path (a kernel or copy per step, events per lane) dominate.
+enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce };
+
+struct FusedStep {
+  uint8_t kind;
+  uint8_t dtype;             // reduce: DType
+  uint16_t n;                // wait/signal: counters; reduce: sources
+  uint16_t first;            // first entry of this step in FusedOp::ptrs / peers
+  uint16_t pad;
+  float scale;               // reduce
+  unsigned long long value;  // wait target, signal value, copy bytes or reduce numel
+  void* dst;
+  const void* src;
+  const float* scale_ptr;    // reduce: tensor factor (device, fp32) or null
+  const char* what;          // wait: what it waits for (error text)
+};
+
+constexpr int kFusedMaxLanes = 8;
+constexpr int kFusedMaxSteps = 40;
+constexpr int kFusedMaxPtrs = 96;
+constexpr int kFusedThreads = 1024;
+
+struct FusedOp {
+  FusedStep steps[kFusedMaxSteps];  // grouped by lane
+  const void* ptrs[kFusedMaxPtrs];  // counters (wait/signal) and reduce sources
+  short peers[kFusedMaxPtrs];       // wait: the peer each counter is about
+  unsigned short lane_begin[kFusedMaxLanes + 1];
+  int lanes;
+  unsigned long long timeout_ns;
+  unsigned long long op_seq;
+  const char* op;
+  DeviceError* err;
+};
+static_assert(sizeof(FusedOp) <= 4000, "kernel parameters are limited to 4 KiB");
+
+cudaError_t launch_fused(const FusedOp& op, cudaStream_t stream);
 cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
 // Load every kernel's module now. Under lazy loading (PyTorch's default) the
 // first launch of a kernel may wait for the kernels already running, and a

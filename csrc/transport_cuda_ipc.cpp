@@ -31,8 +31,13 @@ std::string host_name() {
 
 }  // namespace
 
-CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks)
-    : a_(args), device_(device), reduce_blocks_(reduce_blocks), bases_(args.world, nullptr) {
+CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
+                                   size_t small_op_bytes)
+    : a_(args),
+      device_(device),
+      reduce_blocks_(reduce_blocks),
+      small_op_bytes_(small_op_bytes),
+      bases_(args.world, nullptr) {
   if (a_.world > kMaxPeers) {
     throw std::runtime_error("odc: the CUDA IPC transport supports groups of at most " +
                              std::to_string(kMaxPeers) + " ranks");
@@ -129,25 +134,154 @@ CudaIpcTransport::Lanes& CudaIpcTransport::lanes_for(cudaStream_t stream) {
 }
 
 void CudaIpcTransport::begin_op(void* stream) {
-  DeviceGuard g(device_);
   op_stream_ = static_cast<cudaStream_t>(stream);
-  cur_ = &lanes_for(op_stream_);
-  check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
-  std::fill(lane_used_.begin(), lane_used_.end(), false);
+  steps_.clear();
+  ptrs_.clear();
+  peers_.clear();
 }
 
-cudaStream_t CudaIpcTransport::lane_stream(int lane) const {
-  return lane == 0 ? op_stream_ : cur_->side[lane - 1];
+// ---- Recording: the protocol's calls become steps, run at end_op.
+
+void CudaIpcTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
+                            const std::vector<int>& peers, uint64_t target,
+                            const WaitSite& site) {
+  Step s{kStepWait, lane, static_cast<int>(ptrs_.size()), static_cast<int>(flags.size()),
+         target, nullptr, nullptr, {}, site};
+  ptrs_.insert(ptrs_.end(), flags.begin(), flags.end());
+  peers_.insert(peers_.end(), peers.begin(), peers.end());
+  steps_.push_back(s);
+}
+
+void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) {
+  Step s{kStepSignal, lane, static_cast<int>(ptrs_.size()), static_cast<int>(flags.size()),
+         value, nullptr, nullptr, {}, {}};
+  ptrs_.insert(ptrs_.end(), flags.begin(), flags.end());
+  peers_.resize(ptrs_.size(), -1);
+  steps_.push_back(s);
+}
+
+void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) {
+  steps_.push_back(Step{kStepCopy, lane, 0, 0, bytes, dst, src, {}, {}});
+}
+
+void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*>& srcs,
+                              size_t numel, const ReduceSpec& spec) {
+  Step s{kStepReduce, lane, static_cast<int>(ptrs_.size()), static_cast<int>(srcs.size()),
+         numel, dst, nullptr, spec, {}};
+  ptrs_.insert(ptrs_.end(), srcs.begin(), srcs.end());
+  peers_.resize(ptrs_.size(), -1);
+  steps_.push_back(s);
 }
 
 void CudaIpcTransport::end_op() {
   DeviceGuard g(device_);
+  if (steps_.empty()) return;
+  if (fusable()) {
+    run_fused();
+  } else {
+    run_on_copy_engines();
+  }
+}
+
+// ---- The fused engine.
+
+bool CudaIpcTransport::fusable() const {
+  if (small_op_bytes_ == 0 || a_.world > kFusedMaxLanes ||
+      steps_.size() > static_cast<size_t>(kFusedMaxSteps) ||
+      ptrs_.size() > static_cast<size_t>(kFusedMaxPtrs)) {
+    return false;
+  }
+  for (const Step& s : steps_) {
+    if (s.kind == kStepCopy && s.value > small_op_bytes_) return false;
+    if (s.kind == kStepReduce && s.value * 4 > small_op_bytes_) return false;  // fp32 worst case
+    if (s.n > kFusedThreads) return false;
+  }
+  return true;
+}
+
+void CudaIpcTransport::run_fused() {
+  FusedOp op{};
+  op.lanes = a_.world;
+  op.timeout_ns = static_cast<unsigned long long>(a_.timeout.count()) * 1000000ull;
+  op.err = err_dev_;
+  int k = 0;
+  for (int lane = 0; lane < a_.world; ++lane) {  // steps grouped by lane, in issue order
+    op.lane_begin[lane] = static_cast<unsigned short>(k);
+    for (const Step& s : steps_) {
+      if (s.lane != lane) continue;
+      FusedStep& f = op.steps[k++];
+      f.kind = s.kind;
+      f.dtype = static_cast<uint8_t>(s.spec.dtype);
+      f.n = static_cast<uint16_t>(s.n);
+      f.first = static_cast<uint16_t>(s.first);
+      f.scale = static_cast<float>(s.spec.scale);
+      f.scale_ptr = s.spec.scale_ptr;
+      f.value = s.value;
+      f.dst = s.dst;
+      f.src = s.src;
+      f.what = s.site.what;
+      if (s.kind == kStepWait) {
+        op.op_seq = s.site.op_seq;
+        op.op = s.site.op;
+      }
+    }
+  }
+  op.lane_begin[a_.world] = static_cast<unsigned short>(k);
+  for (size_t i = 0; i < ptrs_.size(); ++i) {
+    op.ptrs[i] = ptrs_[i];
+    op.peers[i] = static_cast<short>(peers_[i]);
+  }
+  check(launch_fused(op, op_stream_), "launching the fused collective kernel");
+}
+
+// ---- The copy-engine engine: each lane on its own stream, forked from and joined
+// back to the operation's stream.
+
+void CudaIpcTransport::run_on_copy_engines() {
+  cur_ = &lanes_for(op_stream_);
+  check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
+  std::fill(lane_used_.begin(), lane_used_.end(), false);
+  std::vector<const uint64_t*> waits;
+  std::vector<int> peers;
+  std::vector<uint64_t*> sigs;
+  std::vector<const void*> srcs;
+  for (const Step& s : steps_) {
+    switch (s.kind) {
+      case kStepWait:
+        waits.clear();
+        peers.clear();
+        for (int i = 0; i < s.n; ++i) {
+          waits.push_back(static_cast<const uint64_t*>(ptrs_[s.first + i]));
+          peers.push_back(peers_[s.first + i]);
+        }
+        launch_flags(s.lane, waits, peers, s.value, &s.site);
+        break;
+      case kStepSignal:
+        sigs.clear();
+        for (int i = 0; i < s.n; ++i) {
+          sigs.push_back(static_cast<uint64_t*>(const_cast<void*>(ptrs_[s.first + i])));
+        }
+        issue_signal(s.lane, sigs, s.value);
+        break;
+      case kStepCopy:
+        issue_copy(s.lane, s.dst, s.src, s.value);
+        break;
+      case kStepReduce:
+        srcs.assign(ptrs_.begin() + s.first, ptrs_.begin() + s.first + s.n);
+        issue_reduce(s.lane, s.dst, srcs, s.value, s.spec);
+        break;
+    }
+  }
   for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
   for (int lane = 1; lane < a_.world; ++lane) {
     if (!lane_used_[lane]) continue;
     check(cudaEventRecord(cur_->join[lane - 1], cur_->side[lane - 1]), "recording a join event");
     check(cudaStreamWaitEvent(op_stream_, cur_->join[lane - 1], 0), "joining a lane");
   }
+}
+
+cudaStream_t CudaIpcTransport::lane_stream(int lane) const {
+  return lane == 0 ? op_stream_ : cur_->side[lane - 1];
 }
 
 void CudaIpcTransport::launch_flags(int lane, const std::vector<const uint64_t*>& waits,
@@ -182,13 +316,8 @@ void CudaIpcTransport::flush_signals(int lane) {
   if (!pending_[lane].empty()) launch_flags(lane, {}, {}, 0, nullptr);
 }
 
-void CudaIpcTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
-                            const std::vector<int>& peers, uint64_t target,
-                            const WaitSite& site) {
-  launch_flags(lane, flags, peers, target, &site);
-}
-
-void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) {
+void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flags,
+                                    uint64_t value) {
   if (!pending_[lane].empty() &&
       (pending_value_[lane] != value || pending_[lane].size() + flags.size() > kMaxPeers)) {
     flush_signals(lane);
@@ -197,7 +326,7 @@ void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uin
   pending_value_[lane] = value;
 }
 
-void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) {
+void CudaIpcTransport::issue_copy(int lane, void* dst, const void* src, size_t bytes) {
   flush_signals(lane);
   if (lane > 0 && !lane_used_[lane]) {
     check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
@@ -207,8 +336,8 @@ void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) 
         "cudaMemcpyAsync");
 }
 
-void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*>& srcs,
-                              size_t numel, const ReduceSpec& spec) {
+void CudaIpcTransport::issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs,
+                                    size_t numel, const ReduceSpec& spec) {
   flush_signals(lane);
   ReduceOpArgs r{};
   r.n_src = static_cast<int>(srcs.size());

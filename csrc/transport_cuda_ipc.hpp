@@ -1,8 +1,13 @@
 // CUDA IPC transport: GPUs of one host. Each window is a cudaMalloc'd buffer
-// opened by every peer through CUDA IPC. Data moves by cudaMemcpyAsync between
-// windows and tensors (copy engines: no SMs); counters are waited on and
-// signalled by one-warp kernels; the owner's reduction is a kernel with a bounded
-// number of blocks. Everything is ordered on streams: the CPU only enqueues.
+// opened by every peer through CUDA IPC. The steps of one operation are recorded
+// between begin_op and end_op, then run by one of two engines:
+//  * copy engines (large operations): data moves by cudaMemcpyAsync (no SMs), one
+//    stream per peer lane; counters are waited on and signalled by one-warp
+//    kernels; the owner's reduction is a kernel with a bounded number of blocks;
+//  * one fused kernel (operations whose copies are all <= small_op_bytes): one
+//    block per lane runs that lane's steps with SM loads and stores, so a small
+//    collective costs one launch instead of a dozen.
+// Everything is ordered on streams: the CPU only enqueues.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,7 +21,8 @@ namespace odc {
 
 class CudaIpcTransport final : public Transport {
  public:
-  CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks);
+  CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
+                   size_t small_op_bytes);
   ~CudaIpcTransport() override;
 
   char* window(int rank) override { return bases_[rank]; }
@@ -31,8 +37,27 @@ class CudaIpcTransport final : public Transport {
   std::string async_error() override;
 
  private:
+  // One recorded step; counters / reduce sources live in ptrs_ / peers_ [first, first + n).
+  struct Step {
+    StepKind kind;
+    int lane;
+    int first, n;
+    uint64_t value;  // wait target, signal value, copy bytes, reduce numel
+    void* dst;
+    const void* src;
+    ReduceSpec spec;
+    WaitSite site;
+  };
+  bool fusable() const;
+  void run_fused();
+  void run_on_copy_engines();
+
   cudaStream_t lane_stream(int lane) const;
   void flush_signals(int lane);
+  void issue_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value);
+  void issue_copy(int lane, void* dst, const void* src, size_t bytes);
+  void issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
+                    const ReduceSpec& spec);
   void launch_flags(int lane, const std::vector<const uint64_t*>& waits,
                     const std::vector<int>& peers, uint64_t target, const WaitSite* site);
 
@@ -49,6 +74,10 @@ class CudaIpcTransport final : public Transport {
   TransportArgs a_;
   int device_;
   int reduce_blocks_;
+  size_t small_op_bytes_;
+  std::vector<Step> steps_;
+  std::vector<const void*> ptrs_;
+  std::vector<int> peers_;
   std::vector<char*> bases_;
   std::list<std::pair<cudaStream_t, Lanes>> lanes_;  // a list: cur_ must stay valid
   cudaStream_t op_stream_ = nullptr;

@@ -19,6 +19,10 @@ BACKEND = "cpu:gloo,cuda:odc"
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SMALL_GPU_RING = {"ODC_CHUNK_BYTES": str(256 << 10), "ODC_RING_SLOTS": "2"}
 BIG = 64 << 20  # bytes: all-gather output / reduce-scatter input of the largest case
+# NCCL (through torch 2.11) returns near-zero garbage for bf16 PREMUL_SUM: torch hands NCCL
+# an fp32 factor for bf16 data (ProcessGroupNCCL's unpackPreMulSum<float, ncclBfloat16>).
+# Those cases compare odc with the float64 reference only (measured on 2 x H200, 2026-11-22).
+NCCL_BROKEN = {(torch.bfloat16, "premul_float"), (torch.bfloat16, "premul_tensor")}
 WORLDS = [2, pytest.param(4, marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs >= 4 GPUs"))]
 
 
@@ -55,10 +59,16 @@ def _compare_worker(rank, world):
             a, b = (rs_case(c["seed"], c["n"], c["dtype"], rank, world, c["op"], c["factor"], c["offset"], dev)
                     for _ in range(2))
             work = dist.reduce_scatter_tensor(a["out"], a["inp"], op=a["redop"], async_op=c["async_op"])
-            dist.reduce_scatter_tensor(b["out"], b["inp"], op=b["redop"], group=nccl)
+            if (c["dtype"], c["op"]) in NCCL_BROKEN:
+                b = None
+            else:
+                dist.reduce_scatter_tensor(b["out"], b["inp"], op=b["redop"], group=nccl)
         if work is not None:
             wait(work, c["wait"])  # no synchronize: the checks below run on the current stream
-        errors += check_case(a, f"odc {what}") + check_case(b, f"nccl (sanity) {what}")
+        errors += check_case(a, f"odc {what}")
+        if b is None:
+            continue
+        errors += check_case(b, f"nccl (sanity) {what}")
         if c["kind"] == "ag":
             errors += check_equal(a["out"], b["out"], f"odc vs nccl {what}")
         else:
@@ -68,7 +78,8 @@ def _compare_worker(rank, world):
     return errors
 
 
-@pytest.mark.parametrize("env", [{}, SMALL_GPU_RING], ids=["default-env", "chunk256k-slots2"])
+@pytest.mark.parametrize("env", [{}, SMALL_GPU_RING, {"ODC_SMALL_OP_BYTES": "0"}],
+                         ids=["default-env", "chunk256k-slots2", "no-fused-kernel"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_nccl(world, env):
     res = run_distributed(_compare_worker, world, backend=BACKEND, env={**GPU_ENV, **env},
@@ -143,9 +154,9 @@ def test_device_errors():
     assert not errors, "\n".join(errors)
 
 
-def _stuck_peer_worker(rank, world, mode, tmpdir):
+def _stuck_peer_worker(rank, world, mode, tmpdir, n):
     dev = _device()
-    c = ag_case(1, 1 << 20, torch.float32, rank, world, device=dev)
+    c = ag_case(1, n, torch.float32, rank, world, device=dev)
     dist.all_gather_into_tensor(c["out"], c["inp"])
     torch.cuda.synchronize()
     if rank == PEER:  # skips the next collectives
@@ -161,8 +172,10 @@ def _stuck_peer_worker(rank, world, mode, tmpdir):
     record_failure(tmpdir, rank, body)
 
 
-def test_stuck_peer_times_out(tmp_path):
-    check_peer_failure(_stuck_peer_worker, 2, "sleep", tmp_path, backend=BACKEND, env=GPU_ENV)
+# 4 MiB per rank runs on the copy engines, 1000 elements in the fused small-op kernel.
+@pytest.mark.parametrize("n", [1 << 20, 1000], ids=["copy-engines", "fused"])
+def test_stuck_peer_times_out(tmp_path, n):
+    check_peer_failure(_stuck_peer_worker, 2, "sleep", tmp_path, n, backend=BACKEND, env=GPU_ENV)
 
 
 def test_device_id_is_refused_with_advice(tmp_path):

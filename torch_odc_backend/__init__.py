@@ -56,6 +56,7 @@ def _create_backend(opts, pg_options):
         knobs.chunk_bytes,
         knobs.ring_slots,
         knobs.reduce_blocks,
+        knobs.small_op_bytes,
     )
 
 

@@ -24,6 +24,14 @@ def _bytes(name: str) -> int:
     return value
 
 
+def _small_op_bytes() -> int:
+    """ODC_SMALL_OP_BYTES: -1 when unset (the backend's default), 0 disables the fused path."""
+    raw = os.environ.get("ODC_SMALL_OP_BYTES", "").strip()
+    if raw == "0":
+        return 0
+    return _bytes("ODC_SMALL_OP_BYTES") if raw else -1
+
+
 def _int(name: str, lo: int, hi: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -44,6 +52,7 @@ class Knobs:
     chunk_bytes: int  # ODC_CHUNK_BYTES: bytes per ring slot (1 MiB CPU, 32 MiB CUDA)
     ring_slots: int  # ODC_RING_SLOTS: ring depth per channel (4)
     reduce_blocks: int  # ODC_REDUCE_BLOCKS: CUDA blocks of the owner-side reduction (16)
+    small_op_bytes: int  # ODC_SMALL_OP_BYTES: largest copy of a fused one-kernel op (-1: default)
 
 
 def knobs() -> Knobs:
@@ -51,4 +60,5 @@ def knobs() -> Knobs:
         chunk_bytes=_bytes("ODC_CHUNK_BYTES"),
         ring_slots=_int("ODC_RING_SLOTS", 1, 1024),
         reduce_blocks=_int("ODC_REDUCE_BLOCKS", 1, 1024),
+        small_op_bytes=_small_op_bytes(),
     )

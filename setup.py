@@ -24,14 +24,14 @@ with_cuda = (
     and os.environ.get("ODC_BUILD_CUDA", "1") != "0"
 )
 
-cxx_flags = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter"]  # torch picks the C++ standard
 if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     ext = CUDAExtension(
         "torch_odc_backend._C",
         HOST_SOURCES + CUDA_SOURCES,
         define_macros=[("ODC_WITH_CUDA", None)],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
         libraries=["rt"],
     )
 else:

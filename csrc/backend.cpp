@@ -193,7 +193,8 @@ Channel& OdcBackend::channel(const c10::Device& device) {
       const int blocks = knobs_.reduce_blocks ? knobs_.reduce_blocks : kDefaultReduceBlocks;
       const size_t small = knobs_.small_op_bytes < 0 ? kDefaultSmallOpBytes
                                                      : static_cast<size_t>(knobs_.small_op_bytes);
-      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks, small);
+      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks, small,
+                                                        knobs_.stream_memops);
       c10::cuda::CUDAGuard g(device.index());
       cudaStream_t s;
       int lo = 0, hi = 0;

@@ -32,7 +32,7 @@ std::string host_name() {
 }  // namespace
 
 CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
-                                   size_t small_op_bytes)
+                                   size_t small_op_bytes, bool stream_memops)
     : a_(args),
       device_(device),
       reduce_blocks_(reduce_blocks),
@@ -89,14 +89,163 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
   pending_.assign(a_.world, {});
   pending_value_.assign(a_.world, 0);
   lane_used_.assign(a_.world, false);
+  if (stream_memops) load_memops();
+  if (wait_value_) {
+    check(cudaStreamCreateWithFlags(&wd_stream_, cudaStreamNonBlocking), "creating a stream");
+    // Self-test on counters that are still zero: a store of 0 into each peer's
+    // window through its IPC mapping and a wait on our own. Where either is refused,
+    // fall back to flag kernels.
+    const CUstream s = reinterpret_cast<CUstream>(wd_stream_);
+    bool ok = wait_value_(s, reinterpret_cast<CUdeviceptr>(bases_[a_.rank]), 0,
+                          CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS;
+    for (int r = 0; ok && r < a_.world; ++r) {
+      ok = write_value_(s, reinterpret_cast<CUdeviceptr>(bases_[r]), 0,
+                        CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS;
+    }
+    ok = ok && cudaStreamSynchronize(wd_stream_) == cudaSuccess;
+    if (ok) {
+      watchdog_ = std::thread([this] { watchdog_loop(); });
+    } else {
+      (void)cudaGetLastError();
+      wait_value_ = nullptr;
+      write_value_ = nullptr;
+    }
+  }
   // No peer may signal into a window before its owner has zeroed it and every
   // peer has opened it.
   store_barrier(a_, "ipc_open");
 }
 
+// Stream memory operations come from the driver API, looked up at run time so the
+// extension links against the runtime only.
+void CudaIpcTransport::load_memops() {
+  using AttrFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+  void* attr_fn = nullptr;
+  void* wait_fn = nullptr;
+  void* write_fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion("cuDeviceGetAttribute", &attr_fn, 12000, cudaEnableDefault,
+                                       &q) != cudaSuccess || q != cudaDriverEntryPointSuccess ||
+      cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &wait_fn, 12000, cudaEnableDefault,
+                                       &q) != cudaSuccess || q != cudaDriverEntryPointSuccess ||
+      cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &write_fn, 12000,
+                                       cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return;  // an old driver: flag kernels
+  }
+  int ok = 0;
+  if (reinterpret_cast<AttrFn>(attr_fn)(&ok, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                                        device_) != CUDA_SUCCESS || !ok) {
+    return;
+  }
+  wait_value_ = reinterpret_cast<WaitValueFn>(wait_fn);
+  write_value_ = reinterpret_cast<WriteValueFn>(write_fn);
+}
+
+cudaEvent_t CudaIpcTransport::pooled_event() {
+  {
+    std::lock_guard<std::mutex> lk(wd_mu_);
+    if (!event_pool_.empty()) {
+      cudaEvent_t ev = event_pool_.back();
+      event_pool_.pop_back();
+      return ev;
+    }
+  }
+  cudaEvent_t ev;
+  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "creating an event");
+  return ev;
+}
+
+// Polls the tracked operations. An operation counts as started once the GPU has
+// reached it (its start event completed); if it is still unfinished a group timeout
+// later, its first unmet wait names the peer, the error is recorded for the next
+// call to raise, and every counter of this rank's window is set past any target so
+// that the queued work drains instead of hanging the process.
+void CudaIpcTransport::watchdog_loop() {
+  (void)cudaSetDevice(device_);
+  std::unique_lock<std::mutex> lk(wd_mu_);
+  bool released = false;
+  while (!wd_stop_) {
+    wd_cv_.wait_for(lk, std::chrono::milliseconds(20));
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = tracked_.begin(); it != tracked_.end();) {
+      if (cudaEventQuery(it->end) == cudaSuccess) {
+        event_pool_.push_back(it->start);
+        event_pool_.push_back(it->end);
+        it = tracked_.erase(it);
+        continue;
+      }
+      if (!it->started && cudaEventQuery(it->start) == cudaSuccess) {
+        it->started = true;
+        it->started_at = now;
+      }
+      if (it->started && !released && now - it->started_at > a_.timeout) {
+        released = diagnose_and_release(*it);
+      } else if (released) {
+        // A late peer may still store a smaller counter value: keep releasing
+        // until every tracked operation has drained.
+        (void)diagnose_and_release(*it);
+      }
+      ++it;
+    }
+    (void)cudaGetLastError();  // cudaErrorNotReady from the queries
+  }
+}
+
+bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
+  const size_t flag_bytes = a_.layout.ag_ring;  // the counters come first in the window
+  std::vector<uint64_t> counters(flag_bytes / sizeof(uint64_t));
+  if (cudaMemcpyAsync(counters.data(), bases_[a_.rank], flag_bytes, cudaMemcpyDeviceToHost,
+                      wd_stream_) != cudaSuccess ||
+      cudaStreamSynchronize(wd_stream_) != cudaSuccess) {
+    return false;
+  }
+  const char* base = bases_[a_.rank];
+  for (const WaitRec& w : op.waits) {
+    const size_t idx = (reinterpret_cast<const char*>(w.flag) - base) / sizeof(uint64_t);
+    const uint64_t seen = counters[idx];
+    if (seen >= w.target) continue;
+    volatile DeviceError* e = err_host_;
+    if (e->code == 0) {
+      e->peer = w.peer;
+      e->op_seq = w.site.op_seq;
+      e->target = w.target;
+      e->seen = seen;
+      e->op = w.site.op;
+      e->what = w.site.what;
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      e->code = 1;
+    }
+    break;
+  }
+  // Release: every counter far beyond any target (the group is unusable from now on).
+  std::fill(counters.begin(), counters.end(), uint64_t{1} << 62);
+  if (cudaMemcpyAsync(bases_[a_.rank], counters.data(), flag_bytes, cudaMemcpyHostToDevice,
+                      wd_stream_) != cudaSuccess) {
+    return false;
+  }
+  (void)cudaStreamSynchronize(wd_stream_);
+  return true;
+}
+
 CudaIpcTransport::~CudaIpcTransport() {
   DeviceGuard g(device_);
-  (void)cudaDeviceSynchronize();
+  (void)cudaDeviceSynchronize();  // the watchdog still releases a stuck wait meanwhile
+  if (watchdog_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(wd_mu_);
+      wd_stop_ = true;
+    }
+    wd_cv_.notify_all();
+    watchdog_.join();
+  }
+  for (auto& t : tracked_) {
+    (void)cudaEventDestroy(t.start);
+    (void)cudaEventDestroy(t.end);
+  }
+  for (auto ev : event_pool_) (void)cudaEventDestroy(ev);
+  if (wd_stream_) (void)cudaStreamDestroy(wd_stream_);
   for (auto& [stream, l] : lanes_) {
     for (auto s : l.side) (void)cudaStreamDestroy(s);
     for (auto ev : l.join) (void)cudaEventDestroy(ev);
@@ -239,6 +388,12 @@ void CudaIpcTransport::run_fused() {
 
 void CudaIpcTransport::run_on_copy_engines() {
   cur_ = &lanes_for(op_stream_);
+  cudaEvent_t start = nullptr;
+  if (wait_value_) {
+    start = pooled_event();
+    check(cudaEventRecord(start, op_stream_), "recording an event");
+    op_waits_.clear();
+  }
   check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
   std::fill(lane_used_.begin(), lane_used_.end(), false);
   std::vector<const uint64_t*> waits;
@@ -278,6 +433,16 @@ void CudaIpcTransport::run_on_copy_engines() {
     check(cudaEventRecord(cur_->join[lane - 1], cur_->side[lane - 1]), "recording a join event");
     check(cudaStreamWaitEvent(op_stream_, cur_->join[lane - 1], 0), "joining a lane");
   }
+  if (wait_value_) {
+    Tracked t;
+    t.start = start;
+    t.end = pooled_event();
+    check(cudaEventRecord(t.end, op_stream_), "recording an event");
+    t.waits = std::move(op_waits_);
+    op_waits_ = {};
+    std::lock_guard<std::mutex> lk(wd_mu_);
+    tracked_.push_back(std::move(t));
+  }
 }
 
 cudaStream_t CudaIpcTransport::lane_stream(int lane) const {
@@ -291,6 +456,24 @@ void CudaIpcTransport::launch_flags(int lane, const std::vector<const uint64_t*>
     check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
   }
   lane_used_[lane] = true;
+  if (wait_value_) {  // stream memory operations: no kernel, no SM
+    const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
+    for (uint64_t* f : pending_[lane]) {
+      if (write_value_(s, reinterpret_cast<CUdeviceptr>(f), pending_value_[lane],
+                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+        throw std::runtime_error("odc: cuStreamWriteValue64 failed");
+      }
+    }
+    pending_[lane].clear();
+    for (size_t i = 0; i < waits.size(); ++i) {
+      if (wait_value_(s, reinterpret_cast<CUdeviceptr>(waits[i]), target,
+                      CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
+        throw std::runtime_error("odc: cuStreamWaitValue64 failed");
+      }
+      op_waits_.push_back(WaitRec{waits[i], target, peers[i], *site});
+    }
+    return;
+  }
   FlagOp op{};
   op.n_signal = static_cast<int>(pending_[lane].size());
   for (int i = 0; i < op.n_signal; ++i) op.signal[i] = pending_[lane][i];

@@ -2,17 +2,29 @@
 // opened by every peer through CUDA IPC. The steps of one operation are recorded
 // between begin_op and end_op, then run by one of two engines:
 //  * copy engines (large operations): data moves by cudaMemcpyAsync (no SMs), one
-//    stream per peer lane; counters are waited on and signalled by one-warp
-//    kernels; the owner's reduction is a kernel with a bounded number of blocks;
+//    stream per peer lane; counters are waited on and signalled with stream memory
+//    operations (cuStreamWaitValue64 / cuStreamWriteValue64: no SM is held while a
+//    lane waits), or by one-warp kernels where the device lacks them; the owner's
+//    reduction is a kernel with a bounded number of blocks;
 //  * one fused kernel (operations whose copies are all <= small_op_bytes): one
 //    block per lane runs that lane's steps with SM loads and stores, so a small
 //    collective costs one launch instead of a dozen.
-// Everything is ordered on streams: the CPU only enqueues.
+// Everything is ordered on streams: the CPU only enqueues. A stream wait cannot time
+// out by itself, so a watchdog thread (never in the data path) watches the operations
+// that use them: one that has run longer than the group's timeout is diagnosed from
+// the counters, recorded as the group's error, and its waits are released.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <list>
+#include <mutex>
+#include <thread>
 
 #include "kernels.cuh"
 #include "transport.hpp"
@@ -22,7 +34,7 @@ namespace odc {
 class CudaIpcTransport final : public Transport {
  public:
   CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
-                   size_t small_op_bytes);
+                   size_t small_op_bytes, bool stream_memops);
   ~CudaIpcTransport() override;
 
   char* window(int rank) override { return bases_[rank]; }
@@ -48,6 +60,26 @@ class CudaIpcTransport final : public Transport {
     ReduceSpec spec;
     WaitSite site;
   };
+  // ---- stream memory operations and their watchdog
+  using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  using WriteValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  struct WaitRec {
+    const uint64_t* flag;
+    uint64_t target;
+    int peer;
+    WaitSite site;
+  };
+  struct Tracked {  // one copy-engine operation that used stream waits
+    cudaEvent_t start, end;
+    std::vector<WaitRec> waits;
+    bool started = false;
+    std::chrono::steady_clock::time_point started_at;
+  };
+  void load_memops();
+  cudaEvent_t pooled_event();
+  void watchdog_loop();
+  bool diagnose_and_release(const Tracked& op);  // caller holds wd_mu_
+
   bool fusable() const;
   void run_fused();
   void run_on_copy_engines();
@@ -86,6 +118,16 @@ class CudaIpcTransport final : public Transport {
   // Signals issued on a lane are folded into that lane's next wait kernel.
   std::vector<std::vector<uint64_t*>> pending_;
   std::vector<uint64_t> pending_value_;
+  WaitValueFn wait_value_ = nullptr;
+  WriteValueFn write_value_ = nullptr;
+  std::vector<WaitRec> op_waits_;  // waits of the operation being issued
+  std::mutex wd_mu_;
+  std::condition_variable wd_cv_;
+  std::deque<Tracked> tracked_;
+  std::vector<cudaEvent_t> event_pool_;
+  bool wd_stop_ = false;
+  std::thread watchdog_;
+  cudaStream_t wd_stream_ = nullptr;
   DeviceError* err_host_ = nullptr;
   DeviceError* err_dev_ = nullptr;
 };

@@ -57,6 +57,7 @@ def _create_backend(opts, pg_options):
         knobs.ring_slots,
         knobs.reduce_blocks,
         knobs.small_op_bytes,
+        knobs.stream_memops,
     )
 
 

@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
 
+#include "text.hpp"
 #include "transport_shm.hpp"
 
 #ifdef ODC_WITH_CUDA
@@ -88,15 +89,15 @@ DType to_dtype(at::ScalarType t, const char* api) {
     case at::kBFloat16: return DType::BF16;
     case at::kHalf: return DType::F16;
     default:
-      TORCH_CHECK_TYPE(false, "odc: ", api, ": unsupported dtype ", c10::toString(t),
-                       " (reductions support float32, bfloat16 and float16)");
+      C10_THROW_ERROR(TypeError, cat("odc: ", api, ": unsupported dtype ", c10::toString(t),
+                                     " (reductions support float32, bfloat16 and float16)"));
   }
 }
 
 std::string describe(const at::Tensor& t) {
-  std::ostringstream os;
-  os << c10::toString(t.scalar_type()) << t.sizes() << " on " << t.device();
-  return os.str();
+  std::string dims;
+  for (int64_t d : t.sizes()) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+  return cat(c10::toString(t.scalar_type()), "[", dims, "] on ", t.device());
 }
 
 }  // namespace
@@ -136,12 +137,12 @@ static const char* kNoDeviceId =
     "device_id and call torch.cuda.set_device(local_rank) before init_process_group; "
     "init_device_mesh and new_group then work as usual.";
 
-void OdcBackend::eagerConnectSingleDevice(at::Device) { TORCH_CHECK(false, kNoDeviceId); }
+void OdcBackend::eagerConnectSingleDevice(at::Device) { ODC_CHECK(false, Error, kNoDeviceId); }
 
 c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10d::Store>&,
                                                     const std::vector<int>&,
                                                     const c10::intrusive_ptr<Options>&) {
-  TORCH_CHECK(false, kNoDeviceId);
+  ODC_CHECK(false, Error, kNoDeviceId);
 }
 
 void OdcBackend::release_inners(bool abort) {
@@ -162,14 +163,14 @@ void OdcBackend::shutdown() { release_inners(false); }
 void OdcBackend::abort() { release_inners(true); }
 
 void OdcBackend::check_usable() {
-  TORCH_CHECK(broken_.empty(), "odc: group '", group_name_,
+  ODC_CHECK(broken_.empty(), Error, "odc: group '", group_name_,
               "' is unusable after an earlier communication error: ", broken_);
 }
 
 Channel& OdcBackend::channel(const c10::Device& device) {
   auto it = channels_.find(device.type());
   if (it != channels_.end()) {
-    TORCH_CHECK_VALUE(it->second.device == device, "odc: group '", group_name_,
+    ODC_CHECK(it->second.device == device, ValueError, "odc: group '", group_name_,
                       "' moves data on ", it->second.device, " but got a tensor on ", device,
                       "; use one device per process (torch.cuda.set_device)");
     return it->second;
@@ -202,18 +203,18 @@ Channel& OdcBackend::channel(const c10::Device& device) {
       C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi));
       ch.async_stream = s;
 #else
-      TORCH_CHECK(false, "odc: this build of torch_odc_backend has no CUDA support (it was "
+      ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
                          "built against a CPU-only torch); rebuild it where torch has CUDA");
 #endif
     } else {
-      TORCH_CHECK_VALUE(device.is_cpu(), "odc: unsupported device ", device,
+      ODC_CHECK(device.is_cpu(), ValueError, "odc: unsupported device ", device,
                         " (odc moves CPU and CUDA tensors)");
       ch.transport = std::make_unique<ShmTransport>(a);
     }
   } catch (const c10::Error&) {
     throw;
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "odc: could not set up the ", (cuda ? "CUDA IPC" : "shared-memory"),
+    ODC_CHECK(false, Error, "odc: could not set up the ", (cuda ? "CUDA IPC" : "shared-memory"),
                 " transport of group '", group_name_, "' (", a.layout.total >> 20,
                 " MiB window): ", e.what());
   }
@@ -227,29 +228,29 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
   const bool ag = kind == Kind::AllGather;
   const int world = getSize();
   // ---- Validate everything before anything is enqueued.
-  TORCH_CHECK_VALUE(!inputs.empty() && inputs.size() == outputs.size(), "odc: ", api,
+  ODC_CHECK(!inputs.empty() && inputs.size() == outputs.size(), ValueError, "odc: ", api,
                     " needs as many outputs as inputs (got ", outputs.size(), " and ",
                     inputs.size(), ")");
   const c10::Device device = inputs[0].device();
   for (size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& in = inputs[i];
     const at::Tensor& out = outputs[i];
-    TORCH_CHECK_VALUE(in.defined() && out.defined(), "odc: ", api, ": undefined tensor");
-    TORCH_CHECK_VALUE(in.device() == device && out.device() == device, "odc: ", api,
+    ODC_CHECK(in.defined() && out.defined(), ValueError, "odc: ", api, ": undefined tensor");
+    ODC_CHECK(in.device() == device && out.device() == device, ValueError, "odc: ", api,
                       ": all tensors must be on one device, got input ", describe(in),
                       " and output ", describe(out));
-    TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "odc: ", api,
+    ODC_CHECK(device.is_cpu() || device.is_cuda(), ValueError, "odc: ", api,
                       ": unsupported device ", device);
-    TORCH_CHECK_VALUE(in.is_contiguous() && out.is_contiguous(), "odc: ", api,
+    ODC_CHECK(in.is_contiguous() && out.is_contiguous(), ValueError, "odc: ", api,
                       ": tensors must be contiguous (input ", describe(in), " contiguous=",
                       in.is_contiguous(), ", output contiguous=", out.is_contiguous(),
                       "); call .contiguous() first");
-    TORCH_CHECK_TYPE(in.scalar_type() == out.scalar_type(), "odc: ", api,
+    ODC_CHECK(in.scalar_type() == out.scalar_type(), TypeError, "odc: ", api,
                      ": input and output dtype differ (", c10::toString(in.scalar_type()),
                      " vs ", c10::toString(out.scalar_type()), ")");
     const int64_t big = ag ? out.numel() : in.numel();
     const int64_t small = ag ? in.numel() : out.numel();
-    TORCH_CHECK_VALUE(big == small * world, "odc: ", api, ": size mismatch: ",
+    ODC_CHECK(big == small * world, ValueError, "odc: ", api, ": size mismatch: ",
                       ag ? "output" : "input", " has ", big, " elements but must have ",
                       ag ? "input" : "output", " size x world size = ", small, " x ", world);
   }
@@ -265,7 +266,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
         case c10d::ReduceOp::AVG: spec.scale = 1.0 / world; break;
         case c10d::ReduceOp::PREMUL_SUM: {
           auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op->supplement_.get());
-          TORCH_CHECK_VALUE(sup, "odc: ", api, ": PREMUL_SUM without a factor");
+          ODC_CHECK(sup, ValueError, "odc: ", api, ": PREMUL_SUM without a factor");
           if (sup->tensor_factor.defined()) {
             factors.push_back(
                 sup->tensor_factor.to(device, at::kFloat).contiguous());
@@ -276,7 +277,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
           break;
         }
         default:
-          TORCH_CHECK_VALUE(false, "odc: ", api, ": unsupported reduce op ",
+          ODC_CHECK(false, ValueError, "odc: ", api, ": unsupported reduce op ",
                             static_cast<int>(op->op_),
                             " (odc reduce-scatter supports SUM, AVG and PREMUL_SUM; MAX, MIN, "
                             "PRODUCT and bitwise ops are not supported)");
@@ -406,16 +407,16 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
   }
   auto it = inners_.find(type);
   if (it != inners_.end()) return it->second;
-  TORCH_CHECK(inner_factory_, "odc: no inner backend factory for delegated collectives");
+  ODC_CHECK(inner_factory_, Error, "odc: no inner backend factory for delegated collectives");
   auto b = inner_factory_(type == c10::kCUDA ? "cuda" : "cpu");
-  TORCH_CHECK(b, "odc: could not create the inner backend for ", c10::DeviceTypeName(type));
+  ODC_CHECK(b, Error, "odc: could not create the inner backend for ", c10::DeviceTypeName(type));
   inners_[type] = b;
   return b;
 }
 
 namespace {
 c10::DeviceType type_of(const std::vector<at::Tensor>& ts) {
-  TORCH_CHECK_VALUE(!ts.empty(), "odc: collective called with no tensors");
+  ODC_CHECK(!ts.empty(), ValueError, "odc: collective called with no tensors");
   return ts[0].device().type();
 }
 }  // namespace

@@ -29,7 +29,7 @@ struct Knobs {
   int ring_slots = 0;
   int reduce_blocks = 0;
   int64_t small_op_bytes = -1;  // -1: default; 0: no fused small-op kernel
-  bool stream_memops = true;    // CUDA waits/signals as stream memory operations
+  bool stream_memops = false;   // CUDA waits/signals as stream memory operations
 };
 
 // One transport + protocol per device type this group has moved data on.

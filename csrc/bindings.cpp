@@ -53,7 +53,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("group_name"), py::arg("inner_factory"), py::arg("chunk_bytes") = 0,
            py::arg("ring_slots") = 0, py::arg("reduce_blocks") = 0,
-           py::arg("small_op_bytes") = -1, py::arg("stream_memops") = true)
+           py::arg("small_op_bytes") = -1, py::arg("stream_memops") = false)
       .def("stats", &odc::OdcBackend::stats,
            "Counters of this group: one-sided ops and bytes, delegated ops.")
       .def(

@@ -1,6 +1,6 @@
 #include "transport.hpp"
 
-#include <sstream>
+#include "text.hpp"
 
 namespace odc {
 
@@ -21,12 +21,11 @@ void store_barrier(const TransportArgs& a, const std::string& name) {
 
 std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint64_t seen,
                           std::chrono::milliseconds timeout) {
-  std::ostringstream os;
-  os << "odc: " << site.op << " #" << site.op_seq << " timed out after " << timeout.count()
-     << " ms waiting for " << site.what << " rank " << peer << " (counter " << seen
-     << ", needed " << target << "); that rank is dead, stuck, or issued different "
-     << "collectives. The group cannot be used any more.";
-  return os.str();
+  return cat("odc: ", site.op, " #", site.op_seq, " timed out after ",
+             static_cast<long long>(timeout.count()), " ms waiting for ", site.what, " rank ",
+             peer, " (counter ", seen, ", needed ", target,
+             "); that rank is dead, stuck, or issued different collectives. The group cannot "
+             "be used any more.");
 }
 
 }  // namespace odc

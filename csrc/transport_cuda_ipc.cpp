@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <sstream>
 
 namespace odc {
 namespace {

@@ -12,7 +12,8 @@
 #include <cerrno>
 #include <cstring>
 #include <random>
-#include <sstream>
+#include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 namespace odc {
@@ -24,9 +25,10 @@ std::string errno_text(const char* what) {
 
 std::string unique_segment_name(int rank) {
   std::random_device rd;
-  std::ostringstream os;
-  os << "/odc-" << getpid() << "-" << rank << "-" << std::hex << rd() << rd();
-  return os.str();
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "/odc-%d-%d-%08x%08x", static_cast<int>(getpid()), rank,
+                static_cast<unsigned>(rd()), static_cast<unsigned>(rd()));
+  return buf;
 }
 
 template <typename T>
@@ -81,15 +83,14 @@ ShmTransport::ShmTransport(const TransportArgs& args) : a_(args), maps_(args.wor
   }
   maps_[a_.rank] = static_cast<char*>(p);
 
-  std::ostringstream me;
-  me << getpid() << " " << name;
-  const std::string mine = me.str();
+  const std::string mine = std::to_string(getpid()) + " " + name;
   auto all = exchange_blobs(a_, "shm", std::vector<uint8_t>(mine.begin(), mine.end()));
   pids_.resize(a_.world);
   for (int r = 0; r < a_.world; ++r) {
-    std::istringstream is(std::string(all[r].begin(), all[r].end()));
-    std::string peer_name;
-    is >> pids_[r] >> peer_name;
+    const std::string blob(all[r].begin(), all[r].end());  // "<pid> <segment name>"
+    const size_t space = blob.find(' ');
+    pids_[r] = static_cast<pid_t>(std::strtol(blob.c_str(), nullptr, 10));
+    const std::string peer_name = space == std::string::npos ? "" : blob.substr(space + 1);
     if (r == a_.rank) continue;
     int pfd = shm_open(peer_name.c_str(), O_RDWR, 0600);
     if (pfd < 0) {

@@ -78,8 +78,8 @@ def _compare_worker(rank, world):
     return errors
 
 
-@pytest.mark.parametrize("env", [{}, SMALL_GPU_RING, {"ODC_SMALL_OP_BYTES": "0"}],
-                         ids=["default-env", "chunk256k-slots2", "no-fused-kernel"])
+@pytest.mark.parametrize("env", [{}, SMALL_GPU_RING, {"ODC_SMALL_OP_BYTES": "0"}, {"ODC_STREAM_MEMOPS": "1"}],
+                         ids=["default-env", "chunk256k-slots2", "no-fused-kernel", "stream-memops"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_nccl(world, env):
     res = run_distributed(_compare_worker, world, backend=BACKEND, env={**GPU_ENV, **env},
@@ -172,10 +172,12 @@ def _stuck_peer_worker(rank, world, mode, tmpdir, n):
     record_failure(tmpdir, rank, body)
 
 
-# 4 MiB per rank runs on the copy engines, 1000 elements in the fused small-op kernel.
-@pytest.mark.parametrize("n", [1 << 20, 1000], ids=["copy-engines", "fused"])
-def test_stuck_peer_times_out(tmp_path, n):
-    check_peer_failure(_stuck_peer_worker, 2, "sleep", tmp_path, n, backend=BACKEND, env=GPU_ENV)
+# 4 MiB per rank runs on the copy engines (waits in spin kernels, or stream memory operations
+# released by the watchdog), 1000 elements in the fused small-op kernel.
+@pytest.mark.parametrize("n,env", [(1 << 20, {}), (1000, {}), (1 << 20, {"ODC_STREAM_MEMOPS": "1"})],
+                         ids=["copy-engines", "fused", "copy-engines-stream-memops"])
+def test_stuck_peer_times_out(tmp_path, n, env):
+    check_peer_failure(_stuck_peer_worker, 2, "sleep", tmp_path, n, backend=BACKEND, env={**GPU_ENV, **env})
 
 
 def test_device_id_is_refused_with_advice(tmp_path):

@@ -53,7 +53,7 @@ class Knobs:
     ring_slots: int  # ODC_RING_SLOTS: ring depth per channel (4)
     reduce_blocks: int  # ODC_REDUCE_BLOCKS: CUDA blocks of the owner-side reduction (16)
     small_op_bytes: int  # ODC_SMALL_OP_BYTES: largest copy of a fused one-kernel op (-1: default)
-    stream_memops: bool  # ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory operations (1)
+    stream_memops: bool  # ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory operations (0)
 
 
 def knobs() -> Knobs:
@@ -62,5 +62,5 @@ def knobs() -> Knobs:
         ring_slots=_int("ODC_RING_SLOTS", 1, 1024),
         reduce_blocks=_int("ODC_REDUCE_BLOCKS", 1, 1024),
         small_op_bytes=_small_op_bytes(),
-        stream_memops=_int("ODC_STREAM_MEMOPS", 0, 1) != 0 if os.environ.get("ODC_STREAM_MEMOPS", "").strip() else True,
+        stream_memops=_int("ODC_STREAM_MEMOPS", 0, 1) == 1,
     )

@@ -133,13 +133,14 @@ stage_example() {
     local n=$NGPU
     if [ "$n" -lt 1 ]; then skip_step example "no GPU"; return; fi
     local hsdp=()
-    [ $(( n % 2 )) -eq 0 ] && [ "$n" -ge 4 ] && hsdp=(--hsdp)
+    [ $(( n % 2 )) -eq 0 ] && [ "$n" -ge 4 ] && [ "${EXAMPLE_ODC_ONLY:-0}" != 1 ] && hsdp=(--hsdp)
     run_step example_odc 90 "$OUT/example_odc.log" \
         torchrun --standalone --nproc-per-node="$n" examples/train_fsdp2.py --steps ${EXAMPLE_STEPS:-100} --grad-accum 2
     if [ "${#hsdp[@]}" -gt 0 ]; then
         run_step example_odc_hsdp 90 "$OUT/example_odc_hsdp.log" \
             torchrun --standalone --nproc-per-node="$n" examples/train_fsdp2.py --steps ${EXAMPLE_STEPS:-100} "${hsdp[@]}"
     fi
+    [ "${EXAMPLE_ODC_ONLY:-0}" = 1 ] && return  # only the odc run (short device budget)
     run_step example_reference 90 "$OUT/example_reference.log" \
         torchrun --standalone --nproc-per-node="$n" examples/train_fsdp2.py --steps ${EXAMPLE_STEPS:-100} --grad-accum 2 \
             --backend reference

@@ -89,7 +89,10 @@ def size_label(nbytes: int) -> str:
 
 
 def git_commit() -> tuple[str, bool | None]:
-    """(commit, dirty) from git, else ($ODC_COMMIT, None), else ('unknown', None)."""
+    """($ODC_COMMIT, None) when set (a copied working tree may carry a stale .git), else
+    (commit, dirty) from git, else ('unknown', None)."""
+    if os.environ.get("ODC_COMMIT"):
+        return os.environ["ODC_COMMIT"], None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, timeout=10)

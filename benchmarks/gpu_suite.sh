@@ -5,6 +5,9 @@
 #   bash benchmarks/gpu_suite.sh build bench     # only those stages, in the order given
 #   OUT=/some/dir bash benchmarks/gpu_suite.sh   # logs and results go to $OUT (default ./out)
 #
+# Set ODC_COMMIT=<hash> when the tree was copied to the GPU machine: the copy's .git may
+# be stale (seen: it named the session's first commit), and results record ODC_COMMIT.
+#
 # Stages (a failing stage is reported; later stages still run; exit status is
 # nonzero when any stage failed):
 #   build    MAX_JOBS=16 python3 setup.py build_ext --inplace  (the GPU machines have no package
@@ -82,7 +85,7 @@ skip_step() {  # NAME REASON
 
 {
     echo "date: $(date -u +%FT%TZ)"; echo "repo: $REPO"; echo "stages: ${STAGES[*]}"
-    echo "commit: $(git rev-parse --verify -q HEAD 2>/dev/null || echo "${ODC_COMMIT:-unknown}")"
+    echo "commit: ${ODC_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
     git status --porcelain --untracked-files=no 2>/dev/null | head -n 20
     echo "gpus: $NGPU x ${GPU_NAME:-none}"
     nvidia-smi 2>&1 | head -n 30

@@ -314,7 +314,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
 #endif
   uint64_t bytes = 0;
   try {
-    ch.transport->begin_op(stream);
+    ch.transport->begin_op(stream, ag ? Transport::kAgRing : Transport::kRsRing);
     for (size_t i = 0; i < inputs.size(); ++i) {
       const size_t elem = inputs[i].element_size();
       if (ag) {

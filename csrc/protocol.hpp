@@ -84,9 +84,12 @@ class Transport {
   // dst[i] = spec.scale * sum_j srcs[j][i]
   virtual void reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                       size_t numel, const ReduceSpec& spec) = 0;
-  // Bracket one collective: a device transport forks its peer lanes from the
-  // operation's stream (`stream`) and joins them back at the end.
-  virtual void begin_op(void* stream) {}
+  // Bracket one collective on `ring` (0: all-gather, 1: reduce-scatter): a device
+  // transport forks its peer lanes from the operation's stream and joins them back
+  // at the end, and orders the operation after the previous one on the same ring
+  // when that ran on another stream (counters assume each ring's chunks in order).
+  enum Ring : int { kAgRing = 0, kRsRing = 1 };
+  virtual void begin_op(void* stream, Ring ring) {}
   virtual void end_op() {}
   // A failure recorded asynchronously (e.g. by a device-side wait), or "".
   virtual std::string async_error() { return {}; }

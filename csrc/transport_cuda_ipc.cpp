@@ -244,6 +244,9 @@ CudaIpcTransport::~CudaIpcTransport() {
     (void)cudaEventDestroy(t.end);
   }
   for (auto ev : event_pool_) (void)cudaEventDestroy(ev);
+  for (auto ev : ring_done_) {
+    if (ev) (void)cudaEventDestroy(ev);
+  }
   if (wd_stream_) (void)cudaStreamDestroy(wd_stream_);
   for (auto& [stream, l] : lanes_) {
     for (auto s : l.side) (void)cudaStreamDestroy(s);
@@ -281,8 +284,9 @@ CudaIpcTransport::Lanes& CudaIpcTransport::lanes_for(cudaStream_t stream) {
   return lanes_.back().second;
 }
 
-void CudaIpcTransport::begin_op(void* stream) {
+void CudaIpcTransport::begin_op(void* stream, Ring ring) {
   op_stream_ = static_cast<cudaStream_t>(stream);
+  ring_ = ring;
   steps_.clear();
   ptrs_.clear();
   peers_.clear();
@@ -324,11 +328,21 @@ void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*
 void CudaIpcTransport::end_op() {
   DeviceGuard g(device_);
   if (steps_.empty()) return;
+  // A ring's chunk counters assume its operations run in issue order: one issued on
+  // another stream than the previous one on this ring first waits for that one.
+  if (!ring_done_[ring_]) {
+    check(cudaEventCreateWithFlags(&ring_done_[ring_], cudaEventDisableTiming),
+          "creating an event");
+  } else if (ring_stream_[ring_] != op_stream_) {
+    check(cudaStreamWaitEvent(op_stream_, ring_done_[ring_], 0), "ordering after the ring's last op");
+  }
   if (fusable()) {
     run_fused();
   } else {
     run_on_copy_engines();
   }
+  check(cudaEventRecord(ring_done_[ring_], op_stream_), "recording the ring's last op");
+  ring_stream_[ring_] = op_stream_;
 }
 
 // ---- The fused engine.

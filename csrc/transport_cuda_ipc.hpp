@@ -44,7 +44,7 @@ class CudaIpcTransport final : public Transport {
   void copy(int lane, void* dst, const void* src, size_t bytes) override;
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
               const ReduceSpec& spec) override;
-  void begin_op(void* stream) override;
+  void begin_op(void* stream, Ring ring) override;
   void end_op() override;
   std::string async_error() override;
 
@@ -113,6 +113,9 @@ class CudaIpcTransport final : public Transport {
   std::vector<char*> bases_;
   std::list<std::pair<cudaStream_t, Lanes>> lanes_;  // a list: cur_ must stay valid
   cudaStream_t op_stream_ = nullptr;
+  Ring ring_ = kAgRing;
+  cudaStream_t ring_stream_[2] = {nullptr, nullptr};  // the stream of each ring's last op
+  cudaEvent_t ring_done_[2] = {nullptr, nullptr};     // recorded at the end of that op
   Lanes* cur_ = nullptr;
   std::vector<bool> lane_used_;
   // Signals issued on a lane are folded into that lane's next wait kernel.

@@ -121,6 +121,32 @@ def test_async_wait_on_other_stream():
     assert not errors, "\n".join(errors)
 
 
+def _cross_stream_worker(rank, world):
+    """Collectives of one group issued on two streams, the earlier one held back: the ring's
+    chunk order must still be the issue order (with 2 slots the ring wraps every 2 chunks)."""
+    dev, errors, cases = _device(), [], []
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for i in range(8):
+        n = (1 << 20) if i % 3 == 0 else 1000  # copy-engine and fused operations
+        with torch.cuda.stream(streams[i % 2]):
+            c = ag_case(100 + i, n, torch.float32, rank, world, device=dev)
+            if i % 2 == 0:
+                torch.cuda._sleep(20_000_000)  # stream 0 lags: op i+1 on stream 1 could overtake
+            dist.all_gather_into_tensor(c["out"], c["inp"])
+        cases.append(c)
+    torch.cuda.synchronize()
+    for i, c in enumerate(cases):
+        errors += check_case(c, f"AG #{i} on stream {i % 2}")
+    return errors
+
+
+def test_ops_on_two_streams_keep_issue_order():
+    res = run_distributed(_cross_stream_worker, 2, backend=BACKEND, env={**GPU_ENV, **SMALL_GPU_RING},
+                          timeout_s=60, deadline_s=300)
+    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
+    assert not errors, "\n".join(errors)
+
+
 def _device_errors_worker(rank, world):
     dev, errors, n = _device(), [], 8
     e = torch.empty

@@ -328,7 +328,8 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
       }
     }
     ch.transport->end_op();
-  } catch (const CommError& e) {
+  } catch (const std::exception& e) {
+    // Counters have advanced and lanes may be half issued: the group cannot go on.
     broken_ = e.what();
     C10_THROW_ERROR(DistBackendError, broken_);
   }
@@ -346,7 +347,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
   if (device.is_cuda()) {
     if (async_op) {
       // Tensors are used on a stream the caching allocator does not know about.
-      for (auto* ts : {&inputs, &outputs}) {
+      for (auto* ts : {&inputs, &outputs, &factors}) {
         for (auto& t : *ts) {
           c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *op_stream);
         }
@@ -500,6 +501,118 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o
 void OdcBackend::count(const std::string& key, uint64_t n) {
   std::lock_guard<std::mutex> lock(stats_mu_);
   stats_[key] += n;
+}
+
+// ---- Decoupled mode
+
+namespace {
+void check_arena_tensor(const at::Tensor& t, const c10::Device& device, size_t bytes,
+                        const char* what) {
+  ODC_CHECK(t.defined() && t.is_contiguous(), ValueError, "odc: decoupled ", what,
+            ": the tensor must be defined and contiguous");
+  ODC_CHECK(t.device() == device, ValueError, "odc: decoupled ", what, ": tensor on ",
+            t.device(), " but the arena is on ", device);
+  ODC_CHECK(t.numel() * t.element_size() == static_cast<int64_t>(bytes), ValueError,
+            "odc: decoupled ", what, ": ", t.numel() * t.element_size(), " bytes given, ",
+            bytes, " expected (the parameter group's layout changed?)");
+}
+}  // namespace
+
+OdcBackend::ArenaEntry& OdcBackend::arena_at(int64_t arena, int64_t group, const char* what) {
+  ODC_CHECK(arena >= 0 && arena < static_cast<int64_t>(arenas_.size()), Error, "odc: decoupled ",
+            what, ": no arena ", arena, " (call odc.decouple first)");
+  ArenaEntry& e = arenas_[arena];
+  ODC_CHECK(group >= -1 && group < static_cast<int64_t>(e.arena->layout().numel.size()),
+            ValueError, "odc: decoupled ", what, ": unknown parameter group ", group);
+  return e;
+}
+
+template <typename F>
+void OdcBackend::arena_call(F&& body) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable();
+  try {
+    body();
+  } catch (const CommError& e) {
+    broken_ = e.what();
+    C10_THROW_ERROR(DistBackendError, broken_);
+  }
+}
+
+int64_t OdcBackend::arena_create(const c10::Device& device,
+                                 const std::vector<int64_t>& shard_numel,
+                                 const std::vector<int64_t>& param_elem_size) {
+  int64_t id = -1;
+  arena_call([&] {
+    Channel& ch = channel(device);
+    std::vector<size_t> n(shard_numel.begin(), shard_numel.end());
+    std::vector<size_t> e(param_elem_size.begin(), param_elem_size.end());
+    ArenaLayout layout(getSize(), n, e);
+    int tid = -1;
+    try {
+      tid = ch.transport->create_arena(layout.total);
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception& ex) {
+      C10_THROW_ERROR(Error, cat("odc: could not create the decoupled-mode arena (",
+                                 layout.total >> 20, " MiB): ", ex.what()));
+    }
+    arenas_.push_back(ArenaEntry{
+        device, std::make_unique<Arena>(getRank(), getSize(), std::move(layout),
+                                        ch.transport.get(), tid)});
+    id = static_cast<int64_t>(arenas_.size()) - 1;
+  });
+  return id;
+}
+
+void OdcBackend::arena_publish(int64_t arena, int64_t group, const at::Tensor& shard) {
+  arena_call([&] {
+    ArenaEntry& e = arena_at(arena, group, "publish");
+    check_arena_tensor(shard, e.device, e.arena->layout().pub_bytes[group], "publish");
+    e.arena->publish(static_cast<int>(group), shard.data_ptr());
+  });
+}
+
+void OdcBackend::arena_announce(int64_t arena, int64_t epoch) {
+  arena_call([&] { arena_at(arena, -1, "announce").arena->announce(static_cast<uint64_t>(epoch)); });
+}
+
+void OdcBackend::arena_get(int64_t arena, int64_t group, const at::Tensor& out, int64_t epoch) {
+  arena_call([&] {
+    ArenaEntry& e = arena_at(arena, group, "all_gather");
+    check_arena_tensor(out, e.device, e.arena->layout().pub_bytes[group] * getSize(),
+                       "all_gather output");
+    e.arena->get(static_cast<int>(group), out.data_ptr(), static_cast<uint64_t>(epoch), ++seq_);
+    count("decoupled_gets", 1);
+  });
+}
+
+void OdcBackend::arena_accumulate(int64_t arena, int64_t group, const at::Tensor& in) {
+  arena_call([&] {
+    ArenaEntry& e = arena_at(arena, group, "reduce_scatter");
+    const DType dtype = to_dtype(in.scalar_type(), "decoupled reduce_scatter");
+    check_arena_tensor(in, e.device, e.arena->layout().numel[group] * getSize() * in.element_size(),
+                       "reduce_scatter input");
+    e.arena->accumulate(static_cast<int>(group), in.data_ptr(), dtype);
+    count("decoupled_accumulates", 1);
+  });
+}
+
+void OdcBackend::arena_finish(int64_t arena, int64_t epoch) {
+  arena_call([&] {
+    arena_at(arena, -1, "sync").arena->finish(static_cast<uint64_t>(epoch), ++seq_);
+    count("decoupled_syncs", 1);
+  });
+}
+
+void OdcBackend::arena_take(int64_t arena, int64_t group, const at::Tensor& out) {
+  arena_call([&] {
+    ArenaEntry& e = arena_at(arena, group, "sync");
+    ODC_CHECK(out.scalar_type() == at::kFloat, TypeError,
+              "odc: decoupled sync: accumulators are float32");
+    check_arena_tensor(out, e.device, e.arena->layout().numel[group] * sizeof(float), "sync");
+    e.arena->take(static_cast<int>(group), out.data_ptr<float>());
+  });
 }
 
 std::map<std::string, uint64_t> OdcBackend::stats() const {

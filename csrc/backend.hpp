@@ -117,6 +117,18 @@ class OdcBackend final : public c10d::Backend {
 
   // Counters for tests and monitoring: ops and bytes moved one-sidedly.
   std::map<std::string, uint64_t> stats() const;
+
+  // Decoupled mode (driven by torch_odc_backend/decoupled.py): one arena per decoupled
+  // model. Collective: arena_create (returns the arena's id), arena_finish. The others
+  // act on this rank; get and accumulate touch peers' arenas one-sidedly.
+  int64_t arena_create(const c10::Device& device, const std::vector<int64_t>& shard_numel,
+                       const std::vector<int64_t>& param_elem_size);
+  void arena_publish(int64_t arena, int64_t group, const at::Tensor& shard);
+  void arena_announce(int64_t arena, int64_t epoch);
+  void arena_get(int64_t arena, int64_t group, const at::Tensor& out, int64_t epoch);
+  void arena_accumulate(int64_t arena, int64_t group, const at::Tensor& in);
+  void arena_finish(int64_t arena, int64_t epoch);
+  void arena_take(int64_t arena, int64_t group, const at::Tensor& out);
   // The inner backend for a device type ("cpu" / "cuda"), created on first use.
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);
 
@@ -127,6 +139,13 @@ class OdcBackend final : public c10d::Backend {
                                      std::vector<at::Tensor>& inputs, bool async_op,
                                      const c10d::ReduceOp* op, const char* api);
   Channel& channel(const c10::Device& device);
+  struct ArenaEntry {
+    c10::Device device;
+    std::unique_ptr<Arena> arena;
+  };
+  ArenaEntry& arena_at(int64_t arena, int64_t group, const char* what);
+  template <typename F>
+  void arena_call(F&& body);
   void check_usable();
 
   c10::intrusive_ptr<c10d::Store> store_;
@@ -135,6 +154,7 @@ class OdcBackend final : public c10d::Backend {
   InnerFactory inner_factory_;
   Knobs knobs_;
   std::map<c10::DeviceType, Channel> channels_;
+  std::vector<ArenaEntry> arenas_;
   std::mutex inner_mu_;  // guards inners_; held while a factory (Python) creates one
   std::map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>> inners_;
   std::mutex mu_;  // ops on one group may be issued from several threads

@@ -56,6 +56,23 @@ PYBIND11_MODULE(_C, m) {
            py::arg("small_op_bytes") = -1, py::arg("stream_memops") = false)
       .def("stats", &odc::OdcBackend::stats,
            "Counters of this group: one-sided ops and bytes, delegated ops.")
+      .def("arena_create", &odc::OdcBackend::arena_create, py::arg("device"),
+           py::arg("shard_numel"), py::arg("param_elem_size"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Decoupled mode: create an arena (collective); returns its id.")
+      .def("arena_publish", &odc::OdcBackend::arena_publish, py::arg("arena"), py::arg("group"),
+           py::arg("shard"), py::call_guard<py::gil_scoped_release>())
+      .def("arena_announce", &odc::OdcBackend::arena_announce, py::arg("arena"),
+           py::arg("epoch"), py::call_guard<py::gil_scoped_release>())
+      .def("arena_get", &odc::OdcBackend::arena_get, py::arg("arena"), py::arg("group"),
+           py::arg("out"), py::arg("epoch"), py::call_guard<py::gil_scoped_release>())
+      .def("arena_accumulate", &odc::OdcBackend::arena_accumulate, py::arg("arena"),
+           py::arg("group"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
+      .def("arena_finish", &odc::OdcBackend::arena_finish, py::arg("arena"), py::arg("epoch"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Decoupled mode: the minibatch's synchronisation (collective).")
+      .def("arena_take", &odc::OdcBackend::arena_take, py::arg("arena"), py::arg("group"),
+           py::arg("out"), py::call_guard<py::gil_scoped_release>())
       .def(
           "inner",
           [](odc::OdcBackend& self, const std::string& device) {

@@ -93,6 +93,19 @@ class Transport {
   virtual void end_op() {}
   // A failure recorded asynchronously (e.g. by a device-side wait), or "".
   virtual std::string async_error() { return {}; }
+
+  // ---- Decoupled mode: more regions per rank ("arenas", one per decoupled model),
+  // created collectively; returns the arena's id.
+  virtual int create_arena(size_t bytes) { unsupported("decoupled mode"); }
+  virtual char* arena(int id, int rank) { unsupported("decoupled mode"); }
+  // dst[i] += src[i] (src in `dtype`, dst fp32), safe while other ranks add into dst.
+  virtual void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) {
+    unsupported("decoupled mode");
+  }
+  virtual void fill_zero(int lane, void* dst, size_t bytes) { unsupported("decoupled mode"); }
+
+ protected:
+  [[noreturn]] static void unsupported(const char* what);
 };
 
 // Drives the collectives over a transport. Chunk counters advance identically
@@ -121,6 +134,59 @@ class Protocol {
   Transport* t_;
   uint64_t ag_chunks_ = 0;  // AG chunks published by every rank so far
   uint64_t rs_chunks_ = 0;  // RS chunks sent on every (src -> owner) channel so far
+};
+
+// Decoupled mode's persistent state, per rank: for every parameter group g the
+// rank's published parameter shard (param dtype) and its fp32 gradient accumulator,
+// plus two counter arrays: Done[src] (in the owner's arena: the epoch up to which
+// src has put all its contributions) and Pub[owner] (in a reader's arena: the epoch
+// the owner's published shards belong to).
+struct ArenaLayout {
+  static constexpr size_t kFlagStride = 128;
+  enum Flag : int { Done = 0, Pub, kNumFlagArrays };
+
+  ArenaLayout() = default;
+  ArenaLayout(int world, const std::vector<size_t>& shard_numel,
+              const std::vector<size_t>& param_elem_size);
+
+  int world = 0;
+  std::vector<size_t> numel;      // per group: elements of one rank's (padded) shard
+  std::vector<size_t> pub_bytes;  // per group: bytes of the published shard
+  std::vector<size_t> pub_off, acc_off;
+  size_t total = 0;
+
+  size_t flag(Flag kind, int index) const {
+    return (static_cast<size_t>(kind) * world + index) * kFlagStride;
+  }
+};
+
+// Between two syncs: get() reads owners' published shards (waiting only until they
+// announced the epoch), accumulate() adds into owners' accumulators (never waits).
+// finish() is the minibatch's one synchronisation; take() then reads and clears this
+// rank's accumulator; publish() + announce() make the next epoch's shards readable.
+class Arena {
+ public:
+  Arena(int rank, int world, ArenaLayout layout, Transport* transport, int id);
+
+  const ArenaLayout& layout() const { return layout_; }
+  void publish(int group, const void* shard);
+  void announce(uint64_t epoch);
+  void get(int group, void* out, uint64_t epoch, uint64_t op_seq);  // out: world shards
+  void accumulate(int group, const void* in, DType dtype);          // in: world shards
+  void finish(uint64_t epoch, uint64_t op_seq);
+  void take(int group, float* out);
+
+ private:
+  uint64_t* flag_in(int owner, ArenaLayout::Flag kind, int index);
+  void check_group(int group) const;
+
+  char* base(int rank) { return t_->arena(id_, rank); }
+
+  int rank_;
+  int world_;
+  ArenaLayout layout_;
+  Transport* t_;
+  int id_;
 };
 
 }  // namespace odc

@@ -102,9 +102,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
                         CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS;
     }
     ok = ok && cudaStreamSynchronize(wd_stream_) == cudaSuccess;
-    if (ok) {
-      watchdog_ = std::thread([this] { watchdog_loop(); });
-    } else {
+    if (!ok) {
       (void)cudaGetLastError();
       wait_value_ = nullptr;
       write_value_ = nullptr;
@@ -113,6 +111,8 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
   // No peer may signal into a window before its owner has zeroed it and every
   // peer has opened it.
   store_barrier(a_, "ipc_open");
+  // Last: a constructor that throws after this would destroy a joinable thread.
+  if (wait_value_) watchdog_ = std::thread([this] { watchdog_loop(); });
 }
 
 // Stream memory operations come from the driver API, looked up at run time so the
@@ -181,6 +181,7 @@ void CudaIpcTransport::watchdog_loop() {
       }
       if (it->started && !released && now - it->started_at > a_.timeout) {
         released = diagnose_and_release(*it);
+        if (!released) it->started_at = now;  // its waits are met: slow, not stuck
       } else if (released) {
         // A late peer may still store a smaller counter value: keep releasing
         // until every tracked operation has drained.
@@ -201,10 +202,12 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
     return false;
   }
   const char* base = bases_[a_.rank];
+  bool unmet = err_host_->code != 0;  // already failed: keep releasing
   for (const WaitRec& w : op.waits) {
     const size_t idx = (reinterpret_cast<const char*>(w.flag) - base) / sizeof(uint64_t);
     const uint64_t seen = counters[idx];
     if (seen >= w.target) continue;
+    unmet = true;
     volatile DeviceError* e = err_host_;
     if (e->code == 0) {
       e->peer = w.peer;
@@ -218,6 +221,7 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
     }
     break;
   }
+  if (!unmet) return false;
   // Release: every counter far beyond any target (the group is unusable from now on).
   std::fill(counters.begin(), counters.end(), uint64_t{1} << 62);
   if (cudaMemcpyAsync(bases_[a_.rank], counters.data(), flag_bytes, cudaMemcpyHostToDevice,
@@ -229,7 +233,8 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
 }
 
 CudaIpcTransport::~CudaIpcTransport() {
-  DeviceGuard g(device_);
+  int prev = 0;
+  const bool switched = cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess;
   (void)cudaDeviceSynchronize();  // the watchdog still releases a stuck wait meanwhile
   if (watchdog_.joinable()) {
     {
@@ -262,6 +267,7 @@ CudaIpcTransport::~CudaIpcTransport() {
     }
   }
   if (err_host_) (void)cudaFreeHost(err_host_);
+  if (switched) (void)cudaSetDevice(prev);
 }
 
 CudaIpcTransport::Lanes& CudaIpcTransport::lanes_for(cudaStream_t stream) {
@@ -514,6 +520,23 @@ void CudaIpcTransport::flush_signals(int lane) {
 
 void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flags,
                                     uint64_t value) {
+  if (wait_value_) {
+    // Stream memory operations: written at once, in protocol order. Held back until
+    // the lane's next wait, a signal could queue behind a blocked wait of another
+    // stream sharing its hardware queue, and two ranks would wait for each other.
+    if (lane > 0 && !lane_used_[lane]) {
+      check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
+      lane_used_[lane] = true;
+    }
+    const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
+    for (uint64_t* f : flags) {
+      if (write_value_(s, reinterpret_cast<CUdeviceptr>(f), value,
+                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+        throw std::runtime_error("odc: cuStreamWriteValue64 failed");
+      }
+    }
+    return;
+  }
   if (!pending_[lane].empty() &&
       (pending_value_[lane] != value || pending_[lane].size() + flags.size() > kMaxPeers)) {
     flush_signals(lane);

@@ -55,8 +55,12 @@ float host_scale(const ReduceSpec& spec) {
 
 }  // namespace
 
-ShmTransport::ShmTransport(const TransportArgs& args) : a_(args), maps_(args.world, nullptr) {
-  const size_t bytes = a_.layout.total;
+ShmTransport::ShmTransport(const TransportArgs& args) : a_(args) {
+  maps_ = map_segments("shm", a_.layout.total);
+}
+
+std::vector<char*> ShmTransport::map_segments(const std::string& tag, size_t bytes) {
+  std::vector<char*> maps(a_.world, nullptr);
   const std::string name = unique_segment_name(a_.rank);
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw std::runtime_error(errno_text("shm_open of the window failed"));
@@ -81,10 +85,10 @@ ShmTransport::ShmTransport(const TransportArgs& args) : a_(args), maps_(args.wor
     shm_unlink(name.c_str());
     throw std::runtime_error(errno_text("mmap of the window failed"));
   }
-  maps_[a_.rank] = static_cast<char*>(p);
+  maps[a_.rank] = static_cast<char*>(p);
 
   const std::string mine = std::to_string(getpid()) + " " + name;
-  auto all = exchange_blobs(a_, "shm", std::vector<uint8_t>(mine.begin(), mine.end()));
+  auto all = exchange_blobs(a_, tag, std::vector<uint8_t>(mine.begin(), mine.end()));
   pids_.resize(a_.world);
   for (int r = 0; r < a_.world; ++r) {
     const std::string blob(all[r].begin(), all[r].end());  // "<pid> <segment name>"
@@ -100,17 +104,68 @@ ShmTransport::ShmTransport(const TransportArgs& args) : a_(args), maps_(args.wor
     void* q = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
     close(pfd);
     if (q == MAP_FAILED) throw std::runtime_error(errno_text("mmap of a peer window failed"));
-    maps_[r] = static_cast<char*>(q);
+    maps[r] = static_cast<char*>(q);
   }
   // Once everyone has mapped it, the name can go: the memory lives while mapped,
   // and nothing is left behind in /dev/shm if a process dies.
-  store_barrier(a_, "shm_mapped");
+  store_barrier(a_, tag + "_mapped");
   shm_unlink(name.c_str());
+  return maps;
 }
+
+int ShmTransport::create_arena(size_t bytes) {
+  const int id = static_cast<int>(arenas_.size());
+  arenas_.push_back(map_segments("shm_arena" + std::to_string(id), bytes));
+  arena_bytes_.push_back(bytes);
+  return id;
+}
+
+void ShmTransport::accumulate(int, float* dst, const void* src, size_t numel, DType dtype) {
+  // Other ranks add into the same accumulator: compare-and-swap on the float's bits.
+  auto add = [dst](size_t i, float v) {
+    uint32_t* word = reinterpret_cast<uint32_t*>(dst + i);
+    uint32_t seen = __atomic_load_n(word, __ATOMIC_RELAXED);
+    for (;;) {
+      float f;
+      std::memcpy(&f, &seen, sizeof(f));
+      f += v;
+      uint32_t next;
+      std::memcpy(&next, &f, sizeof(next));
+      if (__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_RELAXED,
+                                      __ATOMIC_RELAXED)) {
+        return;
+      }
+    }
+  };
+  switch (dtype) {
+    case DType::F32: {
+      const float* s = static_cast<const float*>(src);
+      for (size_t i = 0; i < numel; ++i) add(i, s[i]);
+      break;
+    }
+    case DType::BF16: {
+      const c10::BFloat16* s = static_cast<const c10::BFloat16*>(src);
+      for (size_t i = 0; i < numel; ++i) add(i, static_cast<float>(s[i]));
+      break;
+    }
+    case DType::F16: {
+      const c10::Half* s = static_cast<const c10::Half*>(src);
+      for (size_t i = 0; i < numel; ++i) add(i, static_cast<float>(s[i]));
+      break;
+    }
+  }
+}
+
+void ShmTransport::fill_zero(int, void* dst, size_t bytes) { std::memset(dst, 0, bytes); }
 
 ShmTransport::~ShmTransport() {
   for (char* m : maps_) {
     if (m) munmap(m, a_.layout.total);
+  }
+  for (size_t id = 0; id < arenas_.size(); ++id) {
+    for (char* m : arenas_[id]) {
+      if (m) munmap(m, arena_bytes_[id]);
+    }
   }
 }
 

@@ -21,10 +21,20 @@ class ShmTransport final : public Transport {
   void copy(int lane, void* dst, const void* src, size_t bytes) override;
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
               const ReduceSpec& spec) override;
+  int create_arena(size_t bytes) override;
+  char* arena(int id, int rank) override { return arenas_.at(id).at(rank); }
+  void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) override;
+  void fill_zero(int lane, void* dst, size_t bytes) override;
 
  private:
+  // Create this rank's segment of `bytes`, map every rank's (collective; `tag` names
+  // the rendezvous in the store); fills pids_ on the first call.
+  std::vector<char*> map_segments(const std::string& tag, size_t bytes);
+
   TransportArgs a_;
   std::vector<char*> maps_;
+  std::vector<std::vector<char*>> arenas_;
+  std::vector<size_t> arena_bytes_;
   std::vector<pid_t> pids_;
 };
 

@@ -106,3 +106,5 @@ def backend_stats(group=None, device: str = "cpu") -> dict[str, int]:
 
 _require_eager_module_loading()
 _register()
+
+from .decoupled import decouple, sync  # noqa: E402  (decoupled mode: odc.decouple / odc.sync)

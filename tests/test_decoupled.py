@@ -1,0 +1,194 @@
+"""Decoupled mode on CPU ("cpu:odc"): gradients after odc.sync equal exact-mode FSDP2 over
+the same global set of microbatches, although ranks run different numbers of
+microbatches (zero included) with random delays; misuse raises clear errors.
+
+One spawned job per world size runs every configuration (spawning is slow on CI)."""
+from __future__ import annotations
+
+import random
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fsdp_models as fm
+from dist_utils import run_distributed
+
+STEPS = 3
+CONFIGS = {
+    2: {"w2": dict(mesh=(2,)), "w2_bf16_params": dict(mesh=(2,), bf16=True)},
+    4: {"w4": dict(mesh=(4,)), "hsdp_2x2": dict(mesh=(2, 2), dims=("replicate", "shard"))},
+}
+# fp32 everywhere but the summation order of the gradient reduction (atomic adds vs rank
+# order), so only reassociation differences; bf16 parameters move the same way up to
+# the bf16 rounding of a master weight's copy.
+TOL = {False: dict(rtol=1e-4, atol=1e-5), True: dict(rtol=2e-2, atol=2e-3)}
+LOSS_SCALE = 0.25  # every microbatch's loss, in both modes: the global gradient is the same sum
+
+
+def _assignments(dp: int, step: int, uneven: bool) -> list[list[int]]:
+    """Microbatch ids per data-parallel rank: 2 * dp microbatches per step."""
+    ids = list(range(2 * dp))
+    if not uneven:
+        return [ids[2 * r:2 * r + 2] for r in range(dp)]
+    # step-dependent rank gets half of everything, the next one none, the rest share
+    heavy, idle = step % dp, (step + 1) % dp
+    out = [[] for _ in range(dp)]
+    out[heavy] = ids[:dp]
+    rest = [r for r in range(dp) if r not in (heavy, idle)] or [heavy]
+    for i, m in enumerate(ids[dp:]):
+        out[rest[i % len(rest)]].append(m)
+    return out
+
+
+def _microbatch_loss(model, mb: int, step: int):
+    x, y = fm.batch(seed=7, dp_rank=mb, step=step)
+    return F.cross_entropy(model(x).float(), y.reshape(-1)) * LOSS_SCALE
+
+
+def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import torch_odc_backend as odc
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    model, opt = fm.build(mesh, seed=3, mp_policy=mp)
+    if decoupled:
+        odc.decouple(model, opt)
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    rng = random.Random(rank)
+    grads = []
+    for step in range(STEPS):
+        for mb in _assignments(dp, step, uneven=decoupled)[rank]:
+            if delays:
+                time.sleep(rng.uniform(0, 0.05))
+            _microbatch_loss(model, mb, step).backward()
+        if decoupled:
+            odc.sync(model)
+        grads.append({n: p.grad.full_tensor().float().cpu() if p.grad is not None else None
+                      for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return {"grads": grads, "params": fm.full_params(model)}
+
+
+def _misuse(mesh):
+    """Each misuse raises a clear error (returned as text, or None when nothing was raised)."""
+    import torch_odc_backend as odc
+
+    out = {}
+    model, opt = fm.build(mesh, seed=5)
+    odc.decouple(model, opt)
+    _microbatch_loss(model, 0, 0).backward()
+
+    def expect(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except (RuntimeError, ValueError) as e:
+            out[name] = str(e)
+
+    expect("step_without_sync", opt.step)
+    odc.sync(model)
+    expect("sync_twice", lambda: odc.sync(model))
+    expect("forward_after_sync", lambda: _microbatch_loss(model, 1, 0).backward())
+    opt.step()
+    opt.zero_grad()
+    expect("decouple_twice", lambda: odc.decouple(model, opt))
+    return out
+
+
+def _gloo_mesh_worker(rank, world):
+    import torch_odc_backend as odc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, opt = fm.build(init_device_mesh("cpu", (world,)), seed=5)
+    try:
+        odc.decouple(model, opt)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _worker(rank, world, configs):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes, out = {}, {}
+    for name, cfg in configs.items():
+        key = (cfg["mesh"], cfg.get("dims"))
+        if key not in meshes:
+            meshes[key] = init_device_mesh("cpu", key[0], mesh_dim_names=key[1])
+        try:
+            bf16 = cfg.get("bf16", False)
+            out[name] = {"exact": _train(meshes[key], decoupled=False, bf16=bf16, delays=False),
+                         "decoupled": _train(meshes[key], decoupled=True, bf16=bf16, delays=True)}
+        except Exception:  # report per configuration; the others still run
+            out[name] = {"error": traceback.format_exc()}
+    if world == 2:
+        try:
+            out["misuse"] = _misuse(meshes[((2,), None)])
+        except Exception:
+            out["misuse"] = {"error": traceback.format_exc()}
+    return fm.to_wire(out)
+
+
+@pytest.fixture(scope="module")
+def run():
+    runs = {}
+
+    def get(world):
+        if world not in runs:
+            try:
+                runs[world] = run_distributed(_worker, world, CONFIGS[world], backend="cpu:odc",
+                                              deadline_s=300)
+            except AssertionError as e:
+                runs[world] = e
+        if isinstance(runs[world], Exception):
+            raise runs[world]
+        return runs[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w in CONFIGS for n in CONFIGS[w]])
+def test_decoupled_equals_exact(run, world, name):
+    res = run(world)
+    for rank in sorted(res):
+        cfg = res[rank][name]
+        assert "error" not in cfg, f"rank {rank}:\n{cfg.get('error')}"
+        tol = TOL[CONFIGS[world][name].get("bf16", False)]
+        exact, dec = cfg["exact"], cfg["decoupled"]
+        for step in range(STEPS):
+            for pname, ref in exact["grads"][step].items():
+                got = dec["grads"][step][pname]
+                assert got is not None, f"rank {rank} step {step}: {pname} has no gradient after sync"
+                torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(ref), **tol,
+                                           msg=lambda m: f"rank {rank} step {step} grad {pname}: {m}")
+        for pname, ref in exact["params"].items():
+            torch.testing.assert_close(torch.as_tensor(dec["params"][pname]), torch.as_tensor(ref),
+                                       **tol, msg=lambda m: f"rank {rank} param {pname}: {m}")
+
+
+@pytest.mark.parametrize("case,pattern", [
+    ("step_without_sync", "without odc.sync"),
+    ("sync_twice", "twice"),
+    ("forward_after_sync", "after odc.sync"),
+    ("decouple_twice", "already"),
+])
+def test_misuse_is_reported(run, case, pattern):
+    res = run(2)
+    for rank in sorted(res):
+        m = res[rank]["misuse"]
+        assert "error" not in m, f"rank {rank}:\n{m.get('error')}"
+        assert m[case] is not None, f"rank {rank}: {case} raised nothing"
+        assert pattern in m[case], f"rank {rank}: {case}: {m[case]}"
+
+
+def test_decouple_refuses_a_non_odc_mesh():
+    res = run_distributed(_gloo_mesh_worker, 2, backend="gloo", deadline_s=120)
+    for rank in sorted(res):
+        assert res[rank] is not None, f"rank {rank}: odc.decouple accepted a gloo mesh"
+        assert "not odc" in res[rank], res[rank]

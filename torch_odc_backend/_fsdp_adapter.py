@@ -1,0 +1,58 @@
+"""The one place that reads FSDP2 private state (decoupled mode needs the mixed-precision
+policy and the gradient divide factor, which FSDP2 exposes no getter for).
+
+Checked against torch 2.11 and 2.13 (tests/test_decoupled.py exercises it); other
+versions are refused with a message rather than read blindly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_TORCH = ("2.11", "2.12", "2.13")
+
+
+@dataclass(frozen=True)
+class GroupPolicy:
+    param_dtype: torch.dtype | None  # None: the parameters' own dtype
+    reduce_dtype: torch.dtype | None  # None: the param dtype
+    gradient_divide_factor: float | None  # None: FSDP2's default (data-parallel size)
+    force_sum_reduction: bool
+    params: tuple  # the group's sharded parameters (DTensor nn.Parameters), in all-gather order
+    padded_shard_sizes: tuple  # torch.Size of each parameter's zero-padded shard
+
+
+def _check_version() -> None:
+    version = ".".join(torch.__version__.split(".")[:2])
+    if version not in SUPPORTED_TORCH:
+        raise RuntimeError(
+            f"odc decoupled mode reads FSDP2 internals that were checked on torch "
+            f"{', '.join(SUPPORTED_TORCH)}; this is torch {torch.__version__}")
+
+
+def _param_groups(module) -> list:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # 2.13: a list
+    if groups is None:
+        group = state._fsdp_param_group  # 2.11: one or None
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def group_policy(module) -> GroupPolicy | None:
+    """The policy of ``module``'s FSDP parameter group, or None when it manages no parameters."""
+    _check_version()
+    groups = _param_groups(module)
+    if not groups:
+        return None
+    if len(groups) > 1:
+        raise ValueError("odc decoupled mode supports one FSDP parameter group per module "
+                         "(do not pass shard_placement_fn groups)")
+    g = groups[0]
+    mp = g.mp_policy
+    return GroupPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                       gradient_divide_factor=getattr(g, "gradient_divide_factor", None),
+                       force_sum_reduction=bool(getattr(g, "force_sum_reduction_for_comms", False)),
+                       params=tuple(fp.sharded_param for fp in g.fsdp_params),
+                       padded_shard_sizes=tuple(fp.padded_sharded_param_size for fp in g.fsdp_params))

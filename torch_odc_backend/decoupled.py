@@ -1,0 +1,226 @@
+"""Decoupled mode: FSDP2 with one synchronisation per minibatch.
+
+    odc.decouple(model, optimizer)            # once, after fully_shard and the optimizer
+    for minibatch in loader:
+        for micro in microbatches:            # the count may differ per rank (0 too)
+            loss(model(micro)).backward()
+        odc.sync(model)                       # every contribution landed; .grad final
+        optimizer.step(); optimizer.zero_grad()
+
+Between two syncs no rank waits for another: each FSDP all-gather *gets* the owners'
+published parameter shards (published after the previous optimizer step, so they cannot
+change), and each reduce-scatter *adds* this rank's gradient rows into the owners' fp32
+accumulators. ``sync`` is the minibatch's one synchronisation: it waits until every rank
+has added everything, turns each accumulator into this rank's ``.grad`` (divided as FSDP2
+divides, all-reduced once over the HSDP replicate dimension) and the optimizer step's
+post-hook publishes the new shards.
+
+Only public FSDP2 extension points are used: ``set_custom_all_gather`` /
+``set_custom_reduce_scatter``, ``set_requires_all_reduce``,
+``set_force_sum_reduction_for_comms``, optimizer step hooks, ``DTensor.from_local``. The
+mixed-precision policy and the group's parameters are read through ``_fsdp_adapter``.
+Design notes and the facts they rest on: docs/decoupled_mode.md.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from . import _fsdp_adapter
+from ._C import OdcBackend
+
+__all__ = ["decouple", "sync", "DecoupledState"]
+
+_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, DecoupledState]" = weakref.WeakKeyDictionary()
+
+
+class _Group:
+    """One FSDP module's parameter group: its layout and its comm objects."""
+
+    def __init__(self, state: "DecoupledState", index: int, module: FSDPModule):
+        self.state, self.index, self.module = state, index, module
+        policy = _fsdp_adapter.group_policy(module)
+        for p in policy.params:
+            if not isinstance(p, DTensor) or p.placements[-1] != Shard(0):
+                raise ValueError("odc decoupled mode needs parameters sharded on dim 0 "
+                                 f"(got placements {getattr(p, 'placements', None)})")
+        if policy.gradient_divide_factor is not None:
+            raise ValueError("odc decoupled mode does not support set_gradient_divide_factor yet")
+        self.orig_dtype = policy.params[0].dtype
+        self.param_dtype = policy.param_dtype or self.orig_dtype
+        self.reduce_dtype = policy.reduce_dtype or self.param_dtype
+        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"odc decoupled mode reduces in float32 or bfloat16, not {self.reduce_dtype}")
+        self.padded = [int(torch.Size(s).numel()) for s in policy.padded_shard_sizes]
+        self.numel = sum(self.padded)  # one rank's packed shard (FSDP's all-gather input)
+
+    def params(self):
+        return _fsdp_adapter.group_policy(self.module).params
+
+    def packed_shard(self) -> torch.Tensor:
+        """This rank's shard as FSDP2 packs it for an all-gather: each parameter's local rows
+        cast to param_dtype, zero-padded to the padded shard size, concatenated."""
+        out = torch.zeros(self.numel, dtype=self.param_dtype, device=self.state.device)
+        off = 0
+        for p, padded in zip(self.params(), self.padded):
+            local = p.to_local().detach().reshape(-1)
+            out[off:off + local.numel()].copy_(local)
+            off += padded
+        return out
+
+
+class _AllGather:
+    """FSDP2 all-gather comm: get every owner's published shard."""
+
+    def __init__(self, group: _Group):
+        self.group = group
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, async_op=False):
+        st = self.group.state
+        st._check_running("forward/backward (all-gather)")
+        if output_tensor.dtype != self.group.param_dtype or output_tensor.numel() != st.world * self.group.numel:
+            raise RuntimeError("odc decoupled mode: FSDP2's all-gather layout differs from the "
+                               f"published one (group {self.group.index})")
+        st.backend.arena_get(st.arena, self.group.index, output_tensor, st.epoch)
+        return None
+
+
+class _ReduceScatter:
+    """FSDP2 reduce-scatter comm: add this rank's rows into the owners' accumulators; FSDP's
+    own output stays zero (sync writes the gradients)."""
+
+    def __init__(self, group: _Group):
+        self.group = group
+
+    def allocate(self, size, *, dtype, device):
+        return torch.zeros(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
+        st = self.group.state
+        st._check_running("backward (reduce-scatter)")
+        if op is not None and op != dist.ReduceOp.SUM:
+            raise RuntimeError(f"odc decoupled mode: unexpected reduce op {op} (expected SUM)")
+        if input_tensor.numel() != st.world * self.group.numel:
+            raise RuntimeError(
+                "odc decoupled mode: the reduce-scatter input does not cover every parameter of "
+                f"group {self.group.index} (a parameter without gradient?); every trainable "
+                "parameter must receive a gradient in each backward")
+        st.backend.arena_accumulate(st.arena, self.group.index, input_tensor.contiguous())
+        st.contributions += 1
+        return None
+
+
+class DecoupledState:
+    """What ``decouple`` set up for one model; ``sync`` and the optimizer hooks drive it."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if not modules:
+            raise ValueError("odc.decouple: the model has no fully_shard modules")
+        groups = [m for m in modules if _fsdp_adapter.group_policy(m) is not None]
+        first = _fsdp_adapter.group_policy(groups[0]).params[0]
+        self.mesh = first.device_mesh
+        self.device = first.to_local().device
+        self.shard_dim = self.mesh.ndim - 1
+        self.shard_pg = self.mesh.get_group(self.shard_dim)
+        self.replicate_pg = self.mesh.get_group(0) if self.mesh.ndim == 2 else None
+        backend = self.shard_pg._get_backend(self.device)
+        if not isinstance(backend, OdcBackend):
+            raise ValueError(f"odc.decouple: the model's mesh moves {self.device.type} tensors with "
+                             f"{backend.name()}, not odc; create it on an odc process group "
+                             "(e.g. init_process_group('cpu:gloo,cuda:odc'))")
+        self.backend = backend
+        self.world = self.shard_pg.size()
+        self.dp_size = self.world * (self.replicate_pg.size() if self.replicate_pg is not None else 1)
+        self.groups = [_Group(self, i, m) for i, m in enumerate(groups)]
+        for g in self.groups:
+            mesh = _fsdp_adapter.group_policy(g.module).params[0].device_mesh
+            if mesh != self.mesh:
+                raise ValueError("odc.decouple: every fully_shard module must use the same mesh")
+        self.epoch = 1
+        self.synced = False
+        self.contributions = 0
+        self.arena = backend.arena_create(
+            self.device, [g.numel for g in self.groups],
+            [torch.empty(0, dtype=g.param_dtype).element_size() for g in self.groups])
+        for g in self.groups:
+            g.module.set_custom_all_gather(_AllGather(g))
+            g.module.set_custom_reduce_scatter(_ReduceScatter(g))
+            g.module.set_force_sum_reduction_for_comms(True)
+            g.module.set_requires_all_reduce(False)  # HSDP: sync all-reduces once per minibatch
+        self._publish()
+        self._hooks = [optimizer.register_step_pre_hook(self._before_step),
+                       optimizer.register_step_post_hook(self._after_step)]
+
+    # ---- phases
+    def _check_running(self, what: str) -> None:
+        if self.synced:
+            raise RuntimeError(f"odc decoupled mode: {what} after odc.sync() and before "
+                               "optimizer.step(); step the optimizer first")
+
+    def _publish(self) -> None:
+        for g in self.groups:
+            self.backend.arena_publish(self.arena, g.index, g.packed_shard())
+        self.backend.arena_announce(self.arena, self.epoch)
+
+    def _before_step(self, optimizer, args, kwargs):
+        if not self.synced:
+            raise RuntimeError("odc decoupled mode: optimizer.step() without odc.sync(model) "
+                               "since the last step; call odc.sync(model) after the minibatch's "
+                               "backward passes")
+
+    def _after_step(self, optimizer, args, kwargs):
+        self.epoch += 1
+        self.synced = False
+        self._publish()
+
+    def sync(self) -> None:
+        if self.synced:
+            raise RuntimeError("odc.sync called twice without optimizer.step() in between")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.backend.arena_finish(self.arena, self.epoch)
+        for g in self.groups:
+            acc = torch.empty(g.numel, dtype=torch.float32, device=self.device)
+            self.backend.arena_take(self.arena, g.index, acc)
+            if self.replicate_pg is not None and self.replicate_pg.size() > 1:
+                dist.all_reduce(acc, group=self.replicate_pg)
+            acc.div_(self.dp_size)  # FSDP2's default: the mean over the data-parallel ranks
+            off = 0
+            for p, padded in zip(g.params(), g.padded):
+                local = p.to_local()
+                val = acc[off:off + local.numel()].view(local.shape).to(p.dtype)
+                off += padded
+                if p.grad is None:
+                    p.grad = DTensor.from_local(val, p.device_mesh, p.placements,
+                                                shape=p.shape, stride=p.stride())
+                else:
+                    p.grad.to_local().add_(val)
+        self.synced = True
+        self.contributions = 0
+
+
+def decouple(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> DecoupledState:
+    """Switch a fully_shard model on an odc mesh to decoupled mode (collective: call it on
+    every rank, after fully_shard and after creating the optimizer)."""
+    if model in _STATES:
+        raise RuntimeError("odc.decouple: this model is in decoupled mode already")
+    state = DecoupledState(model, optimizer)
+    _STATES[model] = state
+    return state
+
+
+def sync(model: torch.nn.Module) -> None:
+    """End a minibatch in decoupled mode (collective): afterwards every sharded parameter's
+    ``.grad`` holds the minibatch's gradient, as FSDP2 would have produced it."""
+    state = _STATES.get(model)
+    if state is None:
+        raise RuntimeError("odc.sync: the model is not in decoupled mode (call odc.decouple first)")
+    state.sync()

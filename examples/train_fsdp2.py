@@ -128,6 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-reshard-after-forward", action="store_true")
+    p.add_argument("--decoupled", action="store_true",
+                   help="odc decoupled mode: one synchronisation per step (odc.decouple / odc.sync); "
+                        "CPU only for now")
     return p.parse_args(argv)
 
 
@@ -184,6 +187,12 @@ def main(argv=None) -> int:
     fully_shard(model, **fsdp_kwargs)
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.decoupled:
+        if pg_backend not in ("cpu:odc",):
+            sys.exit("--decoupled needs the odc backend on CPU (GPU support is not validated yet)")
+        import torch_odc_backend as odc
+
+        odc.decouple(model, opt)  # the first of the two lines decoupled mode adds
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -192,7 +201,8 @@ def main(argv=None) -> int:
     tokens_per_step = world * args.grad_accum * args.batch * args.seq
     if rank == 0:
         mesh_desc = "x".join(str(s) for s in mesh.shape)
-        print(f"[train_fsdp2] backend={pg_backend} device={device.type} world={world} mesh={mesh_desc}"
+        print(f"[train_fsdp2] backend={pg_backend}{' (decoupled)' if args.decoupled else ''} "
+              f"device={device.type} world={world} mesh={mesh_desc}"
               f"{' (replicate x shard)' if args.hsdp else ''} params={n_params / 1e6:.2f}M "
               f"layers={args.layers} d={args.d_model} vocab={args.vocab} seq={args.seq} "
               f"batch={args.batch} grad_accum={args.grad_accum} steps={args.steps}", flush=True)
@@ -204,13 +214,15 @@ def main(argv=None) -> int:
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
             last_micro = micro == args.grad_accum - 1
-            if args.grad_accum > 1 and not args.sync_every_micro:
+            if args.grad_accum > 1 and not args.sync_every_micro and not args.decoupled:
                 model.set_requires_gradient_sync(last_micro)
             data = make_batch(gen, args.batch, args.seq, args.vocab, device)
             logits = model(data[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), data[:, 1:].reshape(-1))
             (loss / args.grad_accum).backward()
             loss_sum += loss.detach()
+        if args.decoupled:
+            odc.sync(model)  # the second: every rank's gradients have landed, .grad is final
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         opt.step()
         sched.step()

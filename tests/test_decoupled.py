@@ -72,7 +72,10 @@ def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool):
                       for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return {"grads": grads, "params": fm.full_params(model)}
+    out = {"grads": grads, "params": fm.full_params(model)}
+    if decoupled:
+        out["metrics"] = odc.metrics(model)
+    return out
 
 
 def _misuse(mesh):
@@ -98,6 +101,11 @@ def _misuse(mesh):
     opt.step()
     opt.zero_grad()
     expect("decouple_twice", lambda: odc.decouple(model, opt))
+    # the profiler shows the one-sided operations and the sync
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _microbatch_loss(model, 2, 1).backward()
+        odc.sync(model)
+    out["profiled"] = sorted({e.name for e in prof.events() if e.name.startswith("odc.")})
     return out
 
 
@@ -170,6 +178,8 @@ def test_decoupled_equals_exact(run, world, name):
         for pname, ref in exact["params"].items():
             torch.testing.assert_close(torch.as_tensor(dec["params"][pname]), torch.as_tensor(ref),
                                        **tol, msg=lambda m: f"rank {rank} param {pname}: {m}")
+        m = dec["metrics"]
+        assert m["minibatches"] == STEPS and m["busy_s"] > 0 and 0 <= m["bubble_rate"] < 1, m
 
 
 @pytest.mark.parametrize("case,pattern", [
@@ -192,3 +202,10 @@ def test_decouple_refuses_a_non_odc_mesh():
     for rank in sorted(res):
         assert res[rank] is not None, f"rank {rank}: odc.decouple accepted a gloo mesh"
         assert "not odc" in res[rank], res[rank]
+
+
+def test_profiler_shows_gets_puts_and_sync(run):
+    res = run(2)
+    for rank in sorted(res):
+        assert res[rank]["misuse"]["profiled"] == ["odc.get", "odc.put_accumulate", "odc.sync"], \
+            res[rank]["misuse"]["profiled"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from . import config
 from ._C import OdcBackend, built_with_cuda
 
-__all__ = ["OdcBackend", "backend_stats", "built_with_cuda"]
+__all__ = ["OdcBackend", "backend_stats", "built_with_cuda", "decouple", "metrics", "sync"]
 
 BACKEND_NAME = "odc"
 
@@ -107,4 +107,4 @@ def backend_stats(group=None, device: str = "cpu") -> dict[str, int]:
 _require_eager_module_loading()
 _register()
 
-from .decoupled import decouple, sync  # noqa: E402  (decoupled mode: odc.decouple / odc.sync)
+from .decoupled import decouple, metrics, sync  # noqa: E402  (decoupled mode)

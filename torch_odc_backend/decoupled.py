@@ -23,6 +23,8 @@ Design notes and the facts they rest on: docs/decoupled_mode.md.
 """
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 
 import torch
@@ -33,7 +35,10 @@ from torch.distributed.tensor import DTensor, Shard
 from . import _fsdp_adapter
 from ._C import OdcBackend
 
-__all__ = ["decouple", "sync", "DecoupledState"]
+__all__ = ["decouple", "sync", "metrics", "DecoupledState"]
+
+log = logging.getLogger("torch_odc_backend.decoupled")
+_range = torch.autograd.profiler.record_function  # named ranges in torch.profiler traces
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, DecoupledState]" = weakref.WeakKeyDictionary()
 
@@ -88,7 +93,8 @@ class _AllGather:
         if output_tensor.dtype != self.group.param_dtype or output_tensor.numel() != st.world * self.group.numel:
             raise RuntimeError("odc decoupled mode: FSDP2's all-gather layout differs from the "
                                f"published one (group {self.group.index})")
-        st.backend.arena_get(st.arena, self.group.index, output_tensor, st.epoch)
+        with _range("odc.get"):
+            st.backend.arena_get(st.arena, self.group.index, output_tensor, st.epoch)
         return None
 
 
@@ -112,7 +118,8 @@ class _ReduceScatter:
                 "odc decoupled mode: the reduce-scatter input does not cover every parameter of "
                 f"group {self.group.index} (a parameter without gradient?); every trainable "
                 "parameter must receive a gradient in each backward")
-        st.backend.arena_accumulate(st.arena, self.group.index, input_tensor.contiguous())
+        with _range("odc.put_accumulate"):
+            st.backend.arena_accumulate(st.arena, self.group.index, input_tensor.contiguous())
         st.contributions += 1
         return None
 
@@ -147,6 +154,10 @@ class DecoupledState:
         self.epoch = 1
         self.synced = False
         self.contributions = 0
+        # observability: wall time working vs waiting in sync, per minibatch and in total
+        self._since = time.perf_counter()
+        self.totals = {"busy_s": 0.0, "sync_wait_s": 0.0, "minibatches": 0}
+        self.last = {}
         self.arena = backend.arena_create(
             self.device, [g.numel for g in self.groups],
             [torch.empty(0, dtype=g.param_dtype).element_size() for g in self.groups])
@@ -180,13 +191,36 @@ class DecoupledState:
         self.epoch += 1
         self.synced = False
         self._publish()
+        self._since = time.perf_counter()
 
     def sync(self) -> None:
         if self.synced:
             raise RuntimeError("odc.sync called twice without optimizer.step() in between")
+        with _range("odc.sync"), torch.no_grad():
+            self._sync()
+
+    def metrics(self) -> dict:
+        """This rank's time: busy (between syncs) and waiting in sync, last minibatch and
+        in total; bubble_rate = waiting / (busy + waiting)."""
+        t = self.totals
+        total = t["busy_s"] + t["sync_wait_s"]
+        return {**{f"last_{k}": v for k, v in self.last.items()}, **t,
+                "bubble_rate": t["sync_wait_s"] / total if total > 0 else 0.0}
+
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        t0 = time.perf_counter()
         self.backend.arena_finish(self.arena, self.epoch)
+        t1 = time.perf_counter()
+        busy, wait = t0 - self._since, t1 - t0
+        self.last = {"busy_s": busy, "sync_wait_s": wait,
+                     "bubble_rate": wait / (busy + wait) if busy + wait > 0 else 0.0}
+        self.totals["busy_s"] += busy
+        self.totals["sync_wait_s"] += wait
+        self.totals["minibatches"] += 1
+        log.info("odc sync epoch %d: busy %.3fs, waited %.3fs in sync (bubble %.1f%%)",
+                 self.epoch, busy, wait, 100 * self.last["bubble_rate"])
         for g in self.groups:
             acc = torch.empty(g.numel, dtype=torch.float32, device=self.device)
             self.backend.arena_take(self.arena, g.index, acc)
@@ -224,3 +258,11 @@ def sync(model: torch.nn.Module) -> None:
     if state is None:
         raise RuntimeError("odc.sync: the model is not in decoupled mode (call odc.decouple first)")
     state.sync()
+
+
+def metrics(model: torch.nn.Module) -> dict:
+    """Decoupled-mode timing of this rank (see DecoupledState.metrics)."""
+    state = _STATES.get(model)
+    if state is None:
+        raise RuntimeError("odc.metrics: the model is not in decoupled mode (call odc.decouple first)")
+    return state.metrics()

@@ -109,10 +109,11 @@ stage_tests() {
     for n in ${TEST_GPUS:-2 4}; do
         if [ "$NGPU" -lt "$n" ]; then skip_step "tests_${n}gpu" "only $NGPU GPUs"; continue; fi
         local log="$OUT/gpu_tests_${n}gpu.log" sel=()
-        [ "$n" -gt 2 ] && sel=(-k "test_matches_nccl[$n or fsdp2")
+        [ "$n" -gt 2 ] && sel=(-k "test_matches_nccl[$n or fsdp2 or decoupled")
         run_step "tests_${n}gpu" 220 "$log" \
             env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" \
-            $PY -m pytest -q tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py "${sel[@]}"
+            $PY -m pytest -q tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py \
+            tests/test_gpu_decoupled.py "${sel[@]}"
         cp -f "$log" "$OUT/tests/results/gpu_tests_$(kind_for "$n")_${DATE}.log"
     done
 }

@@ -533,10 +533,26 @@ void OdcBackend::arena_call(F&& body) {
   check_usable();
   try {
     body();
-  } catch (const CommError& e) {
+  } catch (const c10::Error&) {
+    throw;  // argument errors: nothing was issued
+  } catch (const std::exception& e) {
+    // a timeout, a dead peer or a failed launch: counters may be half advanced
     broken_ = e.what();
     C10_THROW_ERROR(DistBackendError, broken_);
   }
+}
+
+template <typename F>
+void OdcBackend::arena_op(ArenaEntry& e, Transport::Ring ring, F&& fn) {
+  const std::string err = e.transport->async_error();
+  if (!err.empty()) throw CommError(err);
+  void* stream = nullptr;
+#ifdef ODC_WITH_CUDA
+  if (e.device.is_cuda()) stream = c10::cuda::getCurrentCUDAStream(e.device.index()).stream();
+#endif
+  e.transport->begin_op(stream, ring);
+  fn();
+  e.transport->end_op();
 }
 
 int64_t OdcBackend::arena_create(const c10::Device& device,
@@ -558,8 +574,9 @@ int64_t OdcBackend::arena_create(const c10::Device& device,
                                  layout.total >> 20, " MiB): ", ex.what()));
     }
     arenas_.push_back(ArenaEntry{
-        device, std::make_unique<Arena>(getRank(), getSize(), std::move(layout),
-                                        ch.transport.get(), tid)});
+        device,
+        std::make_unique<Arena>(getRank(), getSize(), std::move(layout), ch.transport.get(), tid),
+        ch.transport.get()});
     id = static_cast<int64_t>(arenas_.size()) - 1;
   });
   return id;
@@ -569,12 +586,17 @@ void OdcBackend::arena_publish(int64_t arena, int64_t group, const at::Tensor& s
   arena_call([&] {
     ArenaEntry& e = arena_at(arena, group, "publish");
     check_arena_tensor(shard, e.device, e.arena->layout().pub_bytes[group], "publish");
-    e.arena->publish(static_cast<int>(group), shard.data_ptr());
+    arena_op(e, Transport::kArenaSyncRing,
+             [&] { e.arena->publish(static_cast<int>(group), shard.data_ptr()); });
   });
 }
 
 void OdcBackend::arena_announce(int64_t arena, int64_t epoch) {
-  arena_call([&] { arena_at(arena, -1, "announce").arena->announce(static_cast<uint64_t>(epoch)); });
+  arena_call([&] {
+    ArenaEntry& e = arena_at(arena, -1, "announce");
+    arena_op(e, Transport::kArenaSyncRing,
+             [&] { e.arena->announce(static_cast<uint64_t>(epoch)); });
+  });
 }
 
 void OdcBackend::arena_get(int64_t arena, int64_t group, const at::Tensor& out, int64_t epoch) {
@@ -582,7 +604,10 @@ void OdcBackend::arena_get(int64_t arena, int64_t group, const at::Tensor& out, 
     ArenaEntry& e = arena_at(arena, group, "all_gather");
     check_arena_tensor(out, e.device, e.arena->layout().pub_bytes[group] * getSize(),
                        "all_gather output");
-    e.arena->get(static_cast<int>(group), out.data_ptr(), static_cast<uint64_t>(epoch), ++seq_);
+    const uint64_t seq = ++seq_;
+    arena_op(e, Transport::kArenaGetRing, [&] {
+      e.arena->get(static_cast<int>(group), out.data_ptr(), static_cast<uint64_t>(epoch), seq);
+    });
     count("decoupled_gets", 1);
   });
 }
@@ -593,14 +618,18 @@ void OdcBackend::arena_accumulate(int64_t arena, int64_t group, const at::Tensor
     const DType dtype = to_dtype(in.scalar_type(), "decoupled reduce_scatter");
     check_arena_tensor(in, e.device, e.arena->layout().numel[group] * getSize() * in.element_size(),
                        "reduce_scatter input");
-    e.arena->accumulate(static_cast<int>(group), in.data_ptr(), dtype);
+    arena_op(e, Transport::kArenaPutRing,
+             [&] { e.arena->accumulate(static_cast<int>(group), in.data_ptr(), dtype); });
     count("decoupled_accumulates", 1);
   });
 }
 
 void OdcBackend::arena_finish(int64_t arena, int64_t epoch) {
   arena_call([&] {
-    arena_at(arena, -1, "sync").arena->finish(static_cast<uint64_t>(epoch), ++seq_);
+    ArenaEntry& e = arena_at(arena, -1, "sync");
+    const uint64_t seq = ++seq_;
+    arena_op(e, Transport::kArenaSyncRing,
+             [&] { e.arena->finish(static_cast<uint64_t>(epoch), seq); });
     count("decoupled_syncs", 1);
   });
 }
@@ -611,7 +640,8 @@ void OdcBackend::arena_take(int64_t arena, int64_t group, const at::Tensor& out)
     ODC_CHECK(out.scalar_type() == at::kFloat, TypeError,
               "odc: decoupled sync: accumulators are float32");
     check_arena_tensor(out, e.device, e.arena->layout().numel[group] * sizeof(float), "sync");
-    e.arena->take(static_cast<int>(group), out.data_ptr<float>());
+    arena_op(e, Transport::kArenaSyncRing,
+             [&] { e.arena->take(static_cast<int>(group), out.data_ptr<float>()); });
   });
 }
 

@@ -142,8 +142,12 @@ class OdcBackend final : public c10d::Backend {
   struct ArenaEntry {
     c10::Device device;
     std::unique_ptr<Arena> arena;
+    Transport* transport;
   };
   ArenaEntry& arena_at(int64_t arena, int64_t group, const char* what);
+  // Runs fn between the transport's begin_op / end_op on the current stream (CUDA).
+  template <typename F>
+  void arena_op(ArenaEntry& e, Transport::Ring ring, F&& fn);
   template <typename F>
   void arena_call(F&& body);
   void check_usable();

@@ -259,11 +259,41 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
         __syncthreads();  // a following copy or signal sees the whole result
         break;
       }
+      default:  // accumulate / zero steps are never fused
+        break;
     }
   }
 }
 
+template <typename T>
+__global__ void accumulate_kernel(float* dst, const T* src, size_t numel) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
+    atomicAdd_system(dst + i, to_f<T>(src[i]));
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType dtype, int blocks,
+                              cudaStream_t stream) {
+  constexpr int kThreads = 512;
+  const int needed = static_cast<int>((numel + kThreads - 1) / kThreads);
+  const int grid = needed < blocks ? (needed > 0 ? needed : 1) : blocks;
+  switch (dtype) {
+    case DType::F32:
+      accumulate_kernel<float><<<grid, kThreads, 0, stream>>>(dst, static_cast<const float*>(src), numel);
+      break;
+    case DType::BF16:
+      accumulate_kernel<__nv_bfloat16>
+          <<<grid, kThreads, 0, stream>>>(dst, static_cast<const __nv_bfloat16*>(src), numel);
+      break;
+    case DType::F16:
+      accumulate_kernel<__half><<<grid, kThreads, 0, stream>>>(dst, static_cast<const __half*>(src), numel);
+      break;
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t launch_fused(const FusedOp& op, cudaStream_t stream) {
   fused_kernel<<<op.lanes, kFusedThreads, 0, stream>>>(op);
@@ -279,6 +309,9 @@ cudaError_t preload_kernels() {
   cudaFuncAttributes attr;
   cudaError_t e = cudaFuncGetAttributes(&attr, flag_kernel);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, fused_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, accumulate_kernel<float>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, accumulate_kernel<__nv_bfloat16>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, accumulate_kernel<__half>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<float>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<__nv_bfloat16>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<__half>);

@@ -54,7 +54,8 @@ struct ReduceOpArgs {
 // A small collective as one kernel: block b runs lane b's steps in order with SM
 // loads and stores. For small operations the launch and synchronisation costs of
 // the copy-engine path (a kernel or copy per step, events per lane) dominate.
-enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce };
+// (kStepAccumulate and kStepZero run on the copy-engine path only, never fused.)
+enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce, kStepAccumulate, kStepZero };
 
 struct FusedStep {
   uint8_t kind;
@@ -96,5 +97,9 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
 // a cross-rank deadlock. Loading up front removes it.
 cudaError_t preload_kernels();
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, int blocks, cudaStream_t stream);
+// dst[i] += src[i] with system-scope atomics (dst may be a peer's memory; other GPUs add
+// into it concurrently); src in `dtype`, dst fp32.
+cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType dtype, int blocks,
+                              cudaStream_t stream);
 
 }  // namespace odc

@@ -88,7 +88,7 @@ class Transport {
   // transport forks its peer lanes from the operation's stream and joins them back
   // at the end, and orders the operation after the previous one on the same ring
   // when that ran on another stream (counters assume each ring's chunks in order).
-  enum Ring : int { kAgRing = 0, kRsRing = 1 };
+  enum Ring : int { kAgRing = 0, kRsRing, kArenaGetRing, kArenaPutRing, kArenaSyncRing, kNumRings };
   virtual void begin_op(void* stream, Ring ring) {}
   virtual void end_op() {}
   // A failure recorded asynchronously (e.g. by a device-side wait), or "".

@@ -43,42 +43,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
   }
   DeviceGuard g(device_);
   check(preload_kernels(), "loading the transport's kernels");
-  const size_t bytes = a_.layout.total;
-  void* base = nullptr;
-  cudaError_t e = cudaMalloc(&base, bytes);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw std::runtime_error("could not allocate the " + std::to_string(bytes >> 20) +
-                             " MiB communication window on cuda:" + std::to_string(device_) +
-                             " (" + cudaGetErrorString(e) +
-                             "); free GPU memory or lower ODC_CHUNK_BYTES / ODC_RING_SLOTS");
-  }
-  bases_[a_.rank] = static_cast<char*>(base);
-  check(cudaMemset(base, 0, bytes), "zeroing the window");
-  check(cudaDeviceSynchronize(), "zeroing the window");
-
-  cudaIpcMemHandle_t handle;
-  check(cudaIpcGetMemHandle(&handle, base), "cudaIpcGetMemHandle");
-  const std::string host = host_name();
-  std::vector<uint8_t> mine(sizeof(handle) + host.size());
-  std::memcpy(mine.data(), &handle, sizeof(handle));
-  std::memcpy(mine.data() + sizeof(handle), host.data(), host.size());
-  auto all = exchange_blobs(a_, "ipc", mine);
-  for (int r = 0; r < a_.world; ++r) {
-    if (r == a_.rank) continue;
-    const std::string peer_host(all[r].begin() + sizeof(handle), all[r].end());
-    if (peer_host != host) {
-      throw std::runtime_error("the CUDA IPC transport needs every rank on one host, but rank " +
-                               std::to_string(r) + " is on '" + peer_host + "' and rank " +
-                               std::to_string(a_.rank) + " on '" + host + "'");
-    }
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, all[r].data(), sizeof(h));
-    void* p = nullptr;
-    check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
-          ("opening the window of rank " + std::to_string(r)).c_str());
-    bases_[r] = static_cast<char*>(p);
-  }
+  bases_ = open_shared("ipc", a_.layout.total, "communication window");
   check(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),
                       cudaHostAllocMapped),
         "allocating the error record");
@@ -232,6 +197,70 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
   return true;
 }
 
+// cudaMalloc `bytes` (zeroed) on this GPU and map every rank's through CUDA IPC
+// (collective; `tag` names the rendezvous in the store).
+std::vector<char*> CudaIpcTransport::open_shared(const std::string& tag, size_t bytes,
+                                                 const char* what) {
+  std::vector<char*> bases(a_.world, nullptr);
+  void* base = nullptr;
+  cudaError_t e = cudaMalloc(&base, bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error("could not allocate the " + std::to_string(bytes >> 20) + " MiB " +
+                             what + " on cuda:" + std::to_string(device_) + " (" +
+                             cudaGetErrorString(e) +
+                             "); free GPU memory or lower ODC_CHUNK_BYTES / ODC_RING_SLOTS");
+  }
+  bases[a_.rank] = static_cast<char*>(base);
+  check(cudaMemset(base, 0, bytes), "zeroing shared memory");
+  check(cudaDeviceSynchronize(), "zeroing shared memory");
+
+  cudaIpcMemHandle_t handle;
+  check(cudaIpcGetMemHandle(&handle, base), "cudaIpcGetMemHandle");
+  const std::string host = host_name();
+  std::vector<uint8_t> mine(sizeof(handle) + host.size());
+  std::memcpy(mine.data(), &handle, sizeof(handle));
+  std::memcpy(mine.data() + sizeof(handle), host.data(), host.size());
+  auto all = exchange_blobs(a_, tag, mine);
+  for (int r = 0; r < a_.world; ++r) {
+    if (r == a_.rank) continue;
+    const std::string peer_host(all[r].begin() + sizeof(handle), all[r].end());
+    if (peer_host != host) {
+      throw std::runtime_error("the CUDA IPC transport needs every rank on one host, but rank " +
+                               std::to_string(r) + " is on '" + peer_host + "' and rank " +
+                               std::to_string(a_.rank) + " on '" + host + "'");
+    }
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, all[r].data(), sizeof(h));
+    void* p = nullptr;
+    check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+          ("opening the " + std::string(what) + " of rank " + std::to_string(r)).c_str());
+    bases[r] = static_cast<char*>(p);
+  }
+  return bases;
+}
+
+void CudaIpcTransport::close_shared(std::vector<char*>& bases) {
+  for (int r = 0; r < static_cast<int>(bases.size()); ++r) {
+    if (!bases[r]) continue;
+    if (r == a_.rank) {
+      (void)cudaFree(bases[r]);
+    } else {
+      (void)cudaIpcCloseMemHandle(bases[r]);
+    }
+    bases[r] = nullptr;
+  }
+}
+
+int CudaIpcTransport::create_arena(size_t bytes) {
+  DeviceGuard g(device_);
+  const int id = static_cast<int>(arenas_.size());
+  arenas_.push_back(open_shared("ipc_arena" + std::to_string(id), bytes, "decoupled-mode arena"));
+  // No peer may signal into an arena before its owner has zeroed it.
+  store_barrier(a_, "ipc_arena_open" + std::to_string(id));
+  return id;
+}
+
 CudaIpcTransport::~CudaIpcTransport() {
   int prev = 0;
   const bool switched = cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess;
@@ -258,14 +287,8 @@ CudaIpcTransport::~CudaIpcTransport() {
     for (auto ev : l.join) (void)cudaEventDestroy(ev);
     (void)cudaEventDestroy(l.fork);
   }
-  for (int r = 0; r < a_.world; ++r) {
-    if (!bases_[r]) continue;
-    if (r == a_.rank) {
-      (void)cudaFree(bases_[r]);
-    } else {
-      (void)cudaIpcCloseMemHandle(bases_[r]);
-    }
-  }
+  close_shared(bases_);
+  for (auto& a : arenas_) close_shared(a);
   if (err_host_) (void)cudaFreeHost(err_host_);
   if (switched) (void)cudaSetDevice(prev);
 }
@@ -322,6 +345,17 @@ void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) 
   steps_.push_back(Step{kStepCopy, lane, 0, 0, bytes, dst, src, {}, {}});
 }
 
+void CudaIpcTransport::accumulate(int lane, float* dst, const void* src, size_t numel,
+                                  DType dtype) {
+  ReduceSpec spec;
+  spec.dtype = dtype;
+  steps_.push_back(Step{kStepAccumulate, lane, 0, 0, numel, dst, src, spec, {}});
+}
+
+void CudaIpcTransport::fill_zero(int lane, void* dst, size_t bytes) {
+  steps_.push_back(Step{kStepZero, lane, 0, 0, bytes, dst, nullptr, {}, {}});
+}
+
 void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                               size_t numel, const ReduceSpec& spec) {
   Step s{kStepReduce, lane, static_cast<int>(ptrs_.size()), static_cast<int>(srcs.size()),
@@ -360,6 +394,7 @@ bool CudaIpcTransport::fusable() const {
     return false;
   }
   for (const Step& s : steps_) {
+    if (s.kind == kStepAccumulate || s.kind == kStepZero) return false;
     if (s.kind == kStepCopy && s.value > small_op_bytes_) return false;
     if (s.kind == kStepReduce && s.value * 4 > small_op_bytes_) return false;  // fp32 worst case
     if (s.n > kFusedThreads) return false;
@@ -443,6 +478,16 @@ void CudaIpcTransport::run_on_copy_engines() {
       case kStepReduce:
         srcs.assign(ptrs_.begin() + s.first, ptrs_.begin() + s.first + s.n);
         issue_reduce(s.lane, s.dst, srcs, s.value, s.spec);
+        break;
+      case kStepAccumulate:
+        issue_prepare(s.lane);
+        check(launch_accumulate(static_cast<float*>(s.dst), s.src, s.value, s.spec.dtype,
+                                reduce_blocks_, lane_stream(s.lane)),
+              "launching the accumulation");
+        break;
+      case kStepZero:
+        issue_prepare(s.lane);
+        check(cudaMemsetAsync(s.dst, 0, s.value, lane_stream(s.lane)), "cudaMemsetAsync");
         break;
     }
   }
@@ -543,6 +588,15 @@ void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flag
   }
   pending_[lane].insert(pending_[lane].end(), flags.begin(), flags.end());
   pending_value_[lane] = value;
+}
+
+// Before a data step on a lane: pending signals first, the lane forked from the op stream.
+void CudaIpcTransport::issue_prepare(int lane) {
+  flush_signals(lane);
+  if (lane > 0 && !lane_used_[lane]) {
+    check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
+    lane_used_[lane] = true;
+  }
 }
 
 void CudaIpcTransport::issue_copy(int lane, void* dst, const void* src, size_t bytes) {

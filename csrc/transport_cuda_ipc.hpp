@@ -45,6 +45,10 @@ class CudaIpcTransport final : public Transport {
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
               const ReduceSpec& spec) override;
   void begin_op(void* stream, Ring ring) override;
+  int create_arena(size_t bytes) override;
+  char* arena(int id, int rank) override { return arenas_.at(id).at(rank); }
+  void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) override;
+  void fill_zero(int lane, void* dst, size_t bytes) override;
   void end_op() override;
   std::string async_error() override;
 
@@ -80,6 +84,9 @@ class CudaIpcTransport final : public Transport {
   void watchdog_loop();
   bool diagnose_and_release(const Tracked& op);  // caller holds wd_mu_
 
+  std::vector<char*> open_shared(const std::string& tag, size_t bytes, const char* what);
+  void close_shared(std::vector<char*>& bases);
+
   bool fusable() const;
   void run_fused();
   void run_on_copy_engines();
@@ -87,6 +94,7 @@ class CudaIpcTransport final : public Transport {
   cudaStream_t lane_stream(int lane) const;
   void flush_signals(int lane);
   void issue_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value);
+  void issue_prepare(int lane);
   void issue_copy(int lane, void* dst, const void* src, size_t bytes);
   void issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
                     const ReduceSpec& spec);
@@ -114,8 +122,9 @@ class CudaIpcTransport final : public Transport {
   std::list<std::pair<cudaStream_t, Lanes>> lanes_;  // a list: cur_ must stay valid
   cudaStream_t op_stream_ = nullptr;
   Ring ring_ = kAgRing;
-  cudaStream_t ring_stream_[2] = {nullptr, nullptr};  // the stream of each ring's last op
-  cudaEvent_t ring_done_[2] = {nullptr, nullptr};     // recorded at the end of that op
+  cudaStream_t ring_stream_[kNumRings] = {};  // the stream of each ring's last op
+  cudaEvent_t ring_done_[kNumRings] = {};     // recorded at the end of that op
+  std::vector<std::vector<char*>> arenas_;    // decoupled mode: per arena, every rank's base
   Lanes* cur_ = nullptr;
   std::vector<bool> lane_used_;
   // Signals issued on a lane are folded into that lane's next wait kernel.

@@ -44,18 +44,18 @@ def _assignments(dp: int, step: int, uneven: bool) -> list[list[int]]:
     return out
 
 
-def _microbatch_loss(model, mb: int, step: int):
-    x, y = fm.batch(seed=7, dp_rank=mb, step=step)
+def _microbatch_loss(model, mb: int, step: int, device="cpu"):
+    x, y = fm.batch(seed=7, dp_rank=mb, step=step, device=device)
     return F.cross_entropy(model(x).float(), y.reshape(-1)) * LOSS_SCALE
 
 
-def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool):
+def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool, device="cpu"):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import torch_odc_backend as odc
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    model, opt = fm.build(mesh, seed=3, mp_policy=mp)
+    model, opt = fm.build(mesh, seed=3, mp_policy=mp, device=device)
     if decoupled:
         odc.decouple(model, opt)
     dp, rank = dist.get_world_size(), dist.get_rank()
@@ -65,7 +65,7 @@ def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool):
         for mb in _assignments(dp, step, uneven=decoupled)[rank]:
             if delays:
                 time.sleep(rng.uniform(0, 0.05))
-            _microbatch_loss(model, mb, step).backward()
+            _microbatch_loss(model, mb, step, device).backward()
         if decoupled:
             odc.sync(model)
         grads.append({n: p.grad.full_tensor().float().cpu() if p.grad is not None else None

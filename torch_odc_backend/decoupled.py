@@ -144,6 +144,11 @@ class DecoupledState:
                              f"{backend.name()}, not odc; create it on an odc process group "
                              "(e.g. init_process_group('cpu:gloo,cuda:odc'))")
         self.backend = backend
+        if self.device.type == "cuda":
+            import warnings
+
+            warnings.warn("odc decoupled mode on CUDA has not been validated on GPUs yet "
+                          "(tests/test_gpu_decoupled.py); CPU is tested", stacklevel=3)
         self.world = self.shard_pg.size()
         self.dp_size = self.world * (self.replicate_pg.size() if self.replicate_pg is not None else 1)
         self.groups = [_Group(self, i, m) for i, m in enumerate(groups)]

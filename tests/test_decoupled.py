@@ -121,20 +121,27 @@ def _gloo_mesh_worker(rank, world):
     return None
 
 
-def _worker(rank, world, configs):
+def run_configs(configs, device="cpu"):
+    """Exact and decoupled training per configuration: {name: {"exact", "decoupled"} or
+    {"error"}}, and the meshes made for them."""
     from torch.distributed.device_mesh import init_device_mesh
 
     meshes, out = {}, {}
     for name, cfg in configs.items():
         key = (cfg["mesh"], cfg.get("dims"))
         if key not in meshes:
-            meshes[key] = init_device_mesh("cpu", key[0], mesh_dim_names=key[1])
+            meshes[key] = init_device_mesh(device, key[0], mesh_dim_names=key[1])
         try:
-            bf16 = cfg.get("bf16", False)
-            out[name] = {"exact": _train(meshes[key], decoupled=False, bf16=bf16, delays=False),
-                         "decoupled": _train(meshes[key], decoupled=True, bf16=bf16, delays=True)}
+            kw = dict(bf16=cfg.get("bf16", False), device=device)
+            out[name] = {"exact": _train(meshes[key], decoupled=False, delays=False, **kw),
+                         "decoupled": _train(meshes[key], decoupled=True, delays=True, **kw)}
         except Exception:  # report per configuration; the others still run
             out[name] = {"error": traceback.format_exc()}
+    return out, meshes
+
+
+def _worker(rank, world, configs):
+    out, meshes = run_configs(configs)
     if world == 2:
         try:
             out["misuse"] = _misuse(meshes[((2,), None)])

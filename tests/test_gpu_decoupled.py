@@ -3,14 +3,12 @@ equal exact-mode FSDP2 over the same global set of microbatches, with uneven mic
 counts and delays. Skipped (loudly) without >= 2 GPUs."""
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 
 import fsdp_models as fm
 from dist_utils import run_distributed
-from test_decoupled import STEPS, TOL, _train
+from test_decoupled import STEPS, TOL, run_configs
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")
 
@@ -22,21 +20,8 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
 
 
 def _worker(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    out, meshes = {}, {}
-    for name, cfg in CONFIGS.items():
-        key = (cfg["mesh"], cfg.get("dims"))
-        if key not in meshes:
-            meshes[key] = init_device_mesh("cuda", key[0], mesh_dim_names=key[1])
-        try:
-            bf16 = cfg.get("bf16", False)
-            out[name] = {"exact": _train(meshes[key], decoupled=False, bf16=bf16, delays=False, device="cuda"),
-                         "decoupled": _train(meshes[key], decoupled=True, bf16=bf16, delays=True, device="cuda")}
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-    return fm.to_wire(out)
+    return fm.to_wire(run_configs(CONFIGS, "cuda")[0])
 
 
 @pytest.fixture(scope="module")

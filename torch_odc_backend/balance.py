@@ -43,8 +43,8 @@ item, with worker processes and pinning as usual::
         for micros in loader:            # this rank's share of one minibatch
             for micro in micros:         # the count may differ per rank, even be 0
                 model(**micro).loss.backward()
-            # decoupled mode (planned) syncs here once per minibatch; with exact-mode
-            # FSDP every layer synchronises, so use mode="lb_micro" there
+            odc.sync(model)  # decoupled mode (odc.decouple): one sync per minibatch; with
+            # exact-mode FSDP every layer synchronises, so use mode="lb_micro" there
             optimizer.step(); optimizer.zero_grad()
 
 Since ranks hold different numbers of tokens, normalise the loss by the minibatch's

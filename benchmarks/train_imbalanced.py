@@ -123,9 +123,9 @@ def train_steps(model, opt, plans, docs, args, decoupled: bool) -> list[float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--docs-per-step", type=int, default=24)
-    p.add_argument("--mean-len", type=int, default=160)
+    p.add_argument("--steps", type=int, default=9)
+    p.add_argument("--docs-per-step", type=int, default=10)
+    p.add_argument("--mean-len", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=768, help="token cap per microbatch")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--d-model", type=int, default=128)

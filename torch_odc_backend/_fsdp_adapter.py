@@ -23,12 +23,13 @@ class GroupPolicy:
     padded_shard_sizes: tuple  # torch.Size of each parameter's zero-padded shard
 
 
-def _check_version() -> None:
-    version = ".".join(torch.__version__.split(".")[:2])
+def _check_version(full_version: str | None = None) -> None:
+    full_version = full_version or torch.__version__
+    version = ".".join(full_version.split(".")[:2])
     if version not in SUPPORTED_TORCH:
         raise RuntimeError(
             f"odc decoupled mode reads FSDP2 internals that were checked on torch "
-            f"{', '.join(SUPPORTED_TORCH)}; this is torch {torch.__version__}")
+            f"{', '.join(SUPPORTED_TORCH)}; this is torch {full_version}")
 
 
 def _param_groups(module) -> list:

@@ -522,6 +522,7 @@ OdcBackend::ArenaEntry& OdcBackend::arena_at(int64_t arena, int64_t group, const
   ODC_CHECK(arena >= 0 && arena < static_cast<int64_t>(arenas_.size()), Error, "odc: decoupled ",
             what, ": no arena ", arena, " (call odc.decouple first)");
   ArenaEntry& e = arenas_[arena];
+  // group -1: an operation on the whole arena (announce, finish)
   ODC_CHECK(group >= -1 && group < static_cast<int64_t>(e.arena->layout().numel.size()),
             ValueError, "odc: decoupled ", what, ": unknown parameter group ", group);
   return e;
@@ -557,13 +558,25 @@ void OdcBackend::arena_op(ArenaEntry& e, Transport::Ring ring, F&& fn) {
 
 int64_t OdcBackend::arena_create(const c10::Device& device,
                                  const std::vector<int64_t>& shard_numel,
-                                 const std::vector<int64_t>& param_elem_size) {
+                                 const std::vector<int64_t>& param_elem_size,
+                                 const std::vector<int64_t>& grad_numel) {
   int64_t id = -1;
   arena_call([&] {
+    ODC_CHECK(shard_numel.size() == param_elem_size.size() &&
+                  shard_numel.size() == grad_numel.size(),
+              ValueError, "odc: decoupled: one shard size, element size and gradient size per "
+              "parameter group expected");
+    for (size_t g = 0; g < shard_numel.size(); ++g) {
+      ODC_CHECK(shard_numel[g] >= 0 && grad_numel[g] >= 0 && grad_numel[g] <= shard_numel[g] &&
+                    (param_elem_size[g] == 2 || param_elem_size[g] == 4 ||
+                     param_elem_size[g] == 8),
+                ValueError, "odc: decoupled: bad sizes for parameter group ", g);
+    }
     Channel& ch = channel(device);
     std::vector<size_t> n(shard_numel.begin(), shard_numel.end());
     std::vector<size_t> e(param_elem_size.begin(), param_elem_size.end());
-    ArenaLayout layout(getSize(), n, e);
+    std::vector<size_t> gn(grad_numel.begin(), grad_numel.end());
+    ArenaLayout layout(getSize(), n, e, gn);
     int tid = -1;
     try {
       tid = ch.transport->create_arena(layout.total);
@@ -584,6 +597,7 @@ int64_t OdcBackend::arena_create(const c10::Device& device,
 
 void OdcBackend::arena_publish(int64_t arena, int64_t group, const at::Tensor& shard) {
   arena_call([&] {
+    ODC_CHECK(group >= 0, ValueError, "odc: decoupled publish: unknown parameter group ", group);
     ArenaEntry& e = arena_at(arena, group, "publish");
     check_arena_tensor(shard, e.device, e.arena->layout().pub_bytes[group], "publish");
     arena_op(e, Transport::kArenaSyncRing,
@@ -601,6 +615,7 @@ void OdcBackend::arena_announce(int64_t arena, int64_t epoch) {
 
 void OdcBackend::arena_get(int64_t arena, int64_t group, const at::Tensor& out, int64_t epoch) {
   arena_call([&] {
+    ODC_CHECK(group >= 0, ValueError, "odc: decoupled all_gather: unknown parameter group ", group);
     ArenaEntry& e = arena_at(arena, group, "all_gather");
     check_arena_tensor(out, e.device, e.arena->layout().pub_bytes[group] * getSize(),
                        "all_gather output");
@@ -614,9 +629,12 @@ void OdcBackend::arena_get(int64_t arena, int64_t group, const at::Tensor& out, 
 
 void OdcBackend::arena_accumulate(int64_t arena, int64_t group, const at::Tensor& in) {
   arena_call([&] {
+    ODC_CHECK(group >= 0, ValueError, "odc: decoupled reduce_scatter: unknown parameter group ",
+              group);
     ArenaEntry& e = arena_at(arena, group, "reduce_scatter");
     const DType dtype = to_dtype(in.scalar_type(), "decoupled reduce_scatter");
-    check_arena_tensor(in, e.device, e.arena->layout().numel[group] * getSize() * in.element_size(),
+    check_arena_tensor(in, e.device,
+                       e.arena->layout().grad_numel[group] * getSize() * in.element_size(),
                        "reduce_scatter input");
     arena_op(e, Transport::kArenaPutRing,
              [&] { e.arena->accumulate(static_cast<int>(group), in.data_ptr(), dtype); });
@@ -636,10 +654,11 @@ void OdcBackend::arena_finish(int64_t arena, int64_t epoch) {
 
 void OdcBackend::arena_take(int64_t arena, int64_t group, const at::Tensor& out) {
   arena_call([&] {
+    ODC_CHECK(group >= 0, ValueError, "odc: decoupled sync: unknown parameter group ", group);
     ArenaEntry& e = arena_at(arena, group, "sync");
     ODC_CHECK(out.scalar_type() == at::kFloat, TypeError,
               "odc: decoupled sync: accumulators are float32");
-    check_arena_tensor(out, e.device, e.arena->layout().numel[group] * sizeof(float), "sync");
+    check_arena_tensor(out, e.device, e.arena->layout().grad_numel[group] * sizeof(float), "sync");
     arena_op(e, Transport::kArenaSyncRing,
              [&] { e.arena->take(static_cast<int>(group), out.data_ptr<float>()); });
   });

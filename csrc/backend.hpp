@@ -122,7 +122,8 @@ class OdcBackend final : public c10d::Backend {
   // model. Collective: arena_create (returns the arena's id), arena_finish. The others
   // act on this rank; get and accumulate touch peers' arenas one-sidedly.
   int64_t arena_create(const c10::Device& device, const std::vector<int64_t>& shard_numel,
-                       const std::vector<int64_t>& param_elem_size);
+                       const std::vector<int64_t>& param_elem_size,
+                       const std::vector<int64_t>& grad_numel);
   void arena_publish(int64_t arena, int64_t group, const at::Tensor& shard);
   void arena_announce(int64_t arena, int64_t epoch);
   void arena_get(int64_t arena, int64_t group, const at::Tensor& out, int64_t epoch);

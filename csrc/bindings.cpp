@@ -57,7 +57,7 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &odc::OdcBackend::stats,
            "Counters of this group: one-sided ops and bytes, delegated ops.")
       .def("arena_create", &odc::OdcBackend::arena_create, py::arg("device"),
-           py::arg("shard_numel"), py::arg("param_elem_size"),
+           py::arg("shard_numel"), py::arg("param_elem_size"), py::arg("grad_numel"),
            py::call_guard<py::gil_scoped_release>(),
            "Decoupled mode: create an arena (collective); returns its id.")
       .def("arena_publish", &odc::OdcBackend::arena_publish, py::arg("arena"), py::arg("group"),

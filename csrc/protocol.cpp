@@ -149,18 +149,16 @@ size_t align64(size_t x) { return (x + 63) / 64 * 64; }
 }  // namespace
 
 ArenaLayout::ArenaLayout(int world_, const std::vector<size_t>& shard_numel,
-                         const std::vector<size_t>& param_elem_size)
-    : world(world_), numel(shard_numel) {
-  if (shard_numel.size() != param_elem_size.size()) {
-    throw std::invalid_argument("odc: one element size per parameter group expected");
-  }
+                         const std::vector<size_t>& param_elem_size,
+                         const std::vector<size_t>& grad_numel_)
+    : world(world_), numel(shard_numel), grad_numel(grad_numel_) {
   size_t off = align64(static_cast<size_t>(kNumFlagArrays) * world * kFlagStride);
   for (size_t g = 0; g < numel.size(); ++g) {
     pub_bytes.push_back(numel[g] * param_elem_size[g]);
     pub_off.push_back(off);
     off = align64(off + pub_bytes.back());
     acc_off.push_back(off);
-    off = align64(off + numel[g] * sizeof(float));
+    off = align64(off + grad_numel[g] * sizeof(float));
   }
   total = off;
 }
@@ -204,7 +202,7 @@ void Arena::get(int group, void* out, uint64_t epoch, uint64_t op_seq) {
 
 void Arena::accumulate(int group, const void* in, DType dtype) {
   check_group(group);
-  const size_t n = layout_.numel[group];
+  const size_t n = layout_.grad_numel[group];
   const size_t elem = dtype == DType::F32 ? 4 : 2;
   const char* in_b = static_cast<const char*>(in);
   for (int i = 0; i < world_; ++i) {
@@ -230,7 +228,7 @@ void Arena::finish(uint64_t epoch, uint64_t op_seq) {
 void Arena::take(int group, float* out) {
   check_group(group);
   float* acc = reinterpret_cast<float*>(base(rank_) + layout_.acc_off[group]);
-  const size_t bytes = layout_.numel[group] * sizeof(float);
+  const size_t bytes = layout_.grad_numel[group] * sizeof(float);
   t_->copy(0, out, acc, bytes);
   t_->fill_zero(0, acc, bytes);
 }

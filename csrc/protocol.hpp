@@ -147,10 +147,11 @@ struct ArenaLayout {
 
   ArenaLayout() = default;
   ArenaLayout(int world, const std::vector<size_t>& shard_numel,
-              const std::vector<size_t>& param_elem_size);
+              const std::vector<size_t>& param_elem_size, const std::vector<size_t>& grad_numel);
 
   int world = 0;
   std::vector<size_t> numel;      // per group: elements of one rank's (padded) shard
+  std::vector<size_t> grad_numel; // per group: elements of its trainable part (accumulator)
   std::vector<size_t> pub_bytes;  // per group: bytes of the published shard
   std::vector<size_t> pub_off, acc_off;
   size_t total = 0;

@@ -159,20 +159,20 @@ void CudaIpcTransport::watchdog_loop() {
 }
 
 bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
-  const size_t flag_bytes = a_.layout.ag_ring;  // the counters come first in the window
-  std::vector<uint64_t> counters(flag_bytes / sizeof(uint64_t));
-  if (cudaMemcpyAsync(counters.data(), bases_[a_.rank], flag_bytes, cudaMemcpyDeviceToHost,
-                      wd_stream_) != cudaSuccess ||
-      cudaStreamSynchronize(wd_stream_) != cudaSuccess) {
-    return false;
-  }
-  const char* base = bases_[a_.rank];
+  // Each awaited counter is read on its own: it may live in the window or in an arena.
+  const uint64_t released = uint64_t{1} << 62;
   bool unmet = err_host_->code != 0;  // already failed: keep releasing
+  std::vector<const uint64_t*> stuck;
   for (const WaitRec& w : op.waits) {
-    const size_t idx = (reinterpret_cast<const char*>(w.flag) - base) / sizeof(uint64_t);
-    const uint64_t seen = counters[idx];
+    uint64_t seen = 0;
+    if (cudaMemcpyAsync(&seen, w.flag, sizeof(seen), cudaMemcpyDeviceToHost, wd_stream_) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(wd_stream_) != cudaSuccess) {
+      return false;
+    }
     if (seen >= w.target) continue;
     unmet = true;
+    stuck.push_back(w.flag);
     volatile DeviceError* e = err_host_;
     if (e->code == 0) {
       e->peer = w.peer;
@@ -184,14 +184,17 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
       std::atomic_thread_fence(std::memory_order_seq_cst);
       e->code = 1;
     }
-    break;
   }
   if (!unmet) return false;
-  // Release: every counter far beyond any target (the group is unusable from now on).
-  std::fill(counters.begin(), counters.end(), uint64_t{1} << 62);
-  if (cudaMemcpyAsync(bases_[a_.rank], counters.data(), flag_bytes, cudaMemcpyHostToDevice,
-                      wd_stream_) != cudaSuccess) {
-    return false;
+  // Release: every counter of the window, and each stuck one elsewhere, far beyond any
+  // target (the group is unusable from now on).
+  const size_t flag_bytes = a_.layout.ag_ring;  // the window's counters come first
+  std::vector<uint64_t> counters(flag_bytes / sizeof(uint64_t), released);
+  (void)cudaMemcpyAsync(bases_[a_.rank], counters.data(), flag_bytes, cudaMemcpyHostToDevice,
+                        wd_stream_);
+  for (const uint64_t* f : stuck) {
+    (void)cudaMemcpyAsync(const_cast<uint64_t*>(f), &released, sizeof(released),
+                          cudaMemcpyHostToDevice, wd_stream_);
   }
   (void)cudaStreamSynchronize(wd_stream_);
   return true;
@@ -375,6 +378,15 @@ void CudaIpcTransport::end_op() {
           "creating an event");
   } else if (ring_stream_[ring_] != op_stream_) {
     check(cudaStreamWaitEvent(op_stream_, ring_done_[ring_], 0), "ordering after the ring's last op");
+  }
+  if (ring_ == kArenaSyncRing) {
+    // A minibatch's sync (Done signals, taking the accumulators) comes after every
+    // accumulate and get issued before it, whatever streams FSDP issued them on.
+    for (Ring r : {kArenaPutRing, kArenaGetRing}) {
+      if (ring_done_[r] && ring_stream_[r] != op_stream_) {
+        check(cudaStreamWaitEvent(op_stream_, ring_done_[r], 0), "ordering the sync");
+      }
+    }
   }
   if (fusable()) {
     run_fused();

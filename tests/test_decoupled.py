@@ -19,7 +19,8 @@ from dist_utils import run_distributed
 
 STEPS = 3
 CONFIGS = {
-    2: {"w2": dict(mesh=(2,)), "w2_bf16_params": dict(mesh=(2,), bf16=True)},
+    2: {"w2": dict(mesh=(2,)), "w2_bf16_params": dict(mesh=(2,), bf16=True),
+        "w2_frozen_params": dict(mesh=(2,), frozen=True)},
     4: {"w4": dict(mesh=(4,)), "hsdp_2x2": dict(mesh=(2, 2), dims=("replicate", "shard"))},
 }
 # fp32 everywhere but the summation order of the gradient reduction (atomic adds vs rank
@@ -49,13 +50,19 @@ def _microbatch_loss(model, mb: int, step: int, device="cpu"):
     return F.cross_entropy(model(x).float(), y.reshape(-1)) * LOSS_SCALE
 
 
-def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool, device="cpu"):
+FROZEN = ("blocks.0.proj.bias", "blocks.1.fc1.weight")  # e.g. adapters-only fine-tuning
+
+
+def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool, device="cpu", frozen=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import torch_odc_backend as odc
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     model, opt = fm.build(mesh, seed=3, mp_policy=mp, device=device)
+    if frozen:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in FROZEN)
     if decoupled:
         odc.decouple(model, opt)
     dp, rank = dist.get_world_size(), dist.get_rank()
@@ -101,11 +108,20 @@ def _misuse(mesh):
     opt.step()
     opt.zero_grad()
     expect("decouple_twice", lambda: odc.decouple(model, opt))
+    from torch.distributed.device_mesh import init_device_mesh
+    flat, flat_opt = fm.build(init_device_mesh("cpu", (2, 1), mesh_dim_names=("r", "s")), seed=5)
+    expect("shard_size_1", lambda: odc.decouple(flat, flat_opt))
     # the profiler shows the one-sided operations and the sync
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _microbatch_loss(model, 2, 1).backward()
         odc.sync(model)
     out["profiled"] = sorted({e.name for e in prof.events() if e.name.startswith("odc.")})
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():  # weights edited behind the published shards' back
+        next(model.parameters()).to_local().mul_(2)
+    expect("stale_published_shards", lambda: _microbatch_loss(model, 3, 2).backward())
+    expect("unusable_after_error", lambda: odc.sync(model))
     return out
 
 
@@ -132,7 +148,7 @@ def run_configs(configs, device="cpu"):
         if key not in meshes:
             meshes[key] = init_device_mesh(device, key[0], mesh_dim_names=key[1])
         try:
-            kw = dict(bf16=cfg.get("bf16", False), device=device)
+            kw = dict(bf16=cfg.get("bf16", False), device=device, frozen=cfg.get("frozen", False))
             out[name] = {"exact": _train(meshes[key], decoupled=False, delays=False, **kw),
                          "decoupled": _train(meshes[key], decoupled=True, delays=True, **kw)}
         except Exception:  # report per configuration; the others still run
@@ -179,6 +195,9 @@ def test_decoupled_equals_exact(run, world, name):
         for step in range(STEPS):
             for pname, ref in exact["grads"][step].items():
                 got = dec["grads"][step][pname]
+                if ref is None:  # frozen
+                    assert got is None, f"rank {rank} step {step}: frozen {pname} got a gradient"
+                    continue
                 assert got is not None, f"rank {rank} step {step}: {pname} has no gradient after sync"
                 torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(ref), **tol,
                                            msg=lambda m: f"rank {rank} step {step} grad {pname}: {m}")
@@ -194,6 +213,9 @@ def test_decoupled_equals_exact(run, world, name):
     ("sync_twice", "twice"),
     ("forward_after_sync", "after odc.sync"),
     ("decouple_twice", "already"),
+    ("shard_size_1", "at least 2 ranks"),
+    ("stale_published_shards", "changed outside optimizer.step()"),
+    ("unusable_after_error", "unusable after an earlier error"),
 ])
 def test_misuse_is_reported(run, case, pattern):
     res = run(2)

@@ -38,5 +38,6 @@ def test_gpu_decoupled_equals_exact(results, name):
         for step in range(STEPS):
             for pname, ref in cfg["exact"]["grads"][step].items():
                 got = cfg["decoupled"]["grads"][step][pname]
+                assert got is not None, f"rank {rank} step {step}: {pname} has no gradient after sync"
                 torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(ref), **tol,
                                            msg=lambda m: f"rank {rank} step {step} grad {pname}: {m}")

@@ -23,6 +23,7 @@ Design notes and the facts they rest on: docs/decoupled_mode.md.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -62,9 +63,16 @@ class _Group:
             raise ValueError(f"odc decoupled mode reduces in float32 or bfloat16, not {self.reduce_dtype}")
         self.padded = [int(torch.Size(s).numel()) for s in policy.padded_shard_sizes]
         self.numel = sum(self.padded)  # one rank's packed shard (FSDP's all-gather input)
+        # FSDP's reduce-scatter input covers the trainable parameters only
+        self.trainable = [p.requires_grad for p in policy.params]
+        self.grad_numel = sum(n for n, t in zip(self.padded, self.trainable) if t)
+        self.versions = None  # the local shards' version counters when last published
 
     def params(self):
         return _fsdp_adapter.group_policy(self.module).params
+
+    def local_versions(self) -> list[int]:
+        return [p.to_local()._version for p in self.params()]
 
     def packed_shard(self) -> torch.Tensor:
         """This rank's shard as FSDP2 packs it for an all-gather: each parameter's local rows
@@ -90,10 +98,14 @@ class _AllGather:
     def __call__(self, output_tensor, input_tensor, group=None, async_op=False):
         st = self.group.state
         st._check_running("forward/backward (all-gather)")
+        if self.group.versions is not None and self.group.local_versions() != self.group.versions:
+            st._fail("this rank's parameters changed outside optimizer.step() since they were "
+                     "published, so peers would gather stale values (load checkpoints and edit "
+                     "weights before odc.decouple)")
         if output_tensor.dtype != self.group.param_dtype or output_tensor.numel() != st.world * self.group.numel:
             raise RuntimeError("odc decoupled mode: FSDP2's all-gather layout differs from the "
                                f"published one (group {self.group.index})")
-        with _range("odc.get"):
+        with _range("odc.get"), st._fail_on_error():
             st.backend.arena_get(st.arena, self.group.index, output_tensor, st.epoch)
         return None
 
@@ -113,12 +125,11 @@ class _ReduceScatter:
         st._check_running("backward (reduce-scatter)")
         if op is not None and op != dist.ReduceOp.SUM:
             raise RuntimeError(f"odc decoupled mode: unexpected reduce op {op} (expected SUM)")
-        if input_tensor.numel() != st.world * self.group.numel:
-            raise RuntimeError(
-                "odc decoupled mode: the reduce-scatter input does not cover every parameter of "
-                f"group {self.group.index} (a parameter without gradient?); every trainable "
-                "parameter must receive a gradient in each backward")
-        with _range("odc.put_accumulate"):
+        if input_tensor.numel() != st.world * self.group.grad_numel:
+            st._fail("the reduce-scatter input does not cover every trainable parameter of "
+                     f"group {self.group.index} (a parameter without gradient?); every trainable "
+                     "parameter must receive a gradient in each backward")
+        with _range("odc.put_accumulate"), st._fail_on_error():
             st.backend.arena_accumulate(st.arena, self.group.index, input_tensor.contiguous())
         st.contributions += 1
         return None
@@ -150,6 +161,9 @@ class DecoupledState:
             warnings.warn("odc decoupled mode on CUDA has not been validated on GPUs yet "
                           "(tests/test_gpu_decoupled.py); CPU is tested", stacklevel=3)
         self.world = self.shard_pg.size()
+        if self.world < 2:
+            raise ValueError("odc.decouple needs at least 2 ranks in the shard dimension (with one, "
+                             "FSDP2 bypasses the reduce-scatter)")
         self.dp_size = self.world * (self.replicate_pg.size() if self.replicate_pg is not None else 1)
         self.groups = [_Group(self, i, m) for i, m in enumerate(groups)]
         for g in self.groups:
@@ -158,6 +172,7 @@ class DecoupledState:
                 raise ValueError("odc.decouple: every fully_shard module must use the same mesh")
         self.epoch = 1
         self.synced = False
+        self.broken = ""
         self.contributions = 0
         # observability: wall time working vs waiting in sync, per minibatch and in total
         self._since = time.perf_counter()
@@ -165,7 +180,8 @@ class DecoupledState:
         self.last = {}
         self.arena = backend.arena_create(
             self.device, [g.numel for g in self.groups],
-            [torch.empty(0, dtype=g.param_dtype).element_size() for g in self.groups])
+            [torch.empty(0, dtype=g.param_dtype).element_size() for g in self.groups],
+            [g.grad_numel for g in self.groups])
         for g in self.groups:
             g.module.set_custom_all_gather(_AllGather(g))
             g.module.set_custom_reduce_scatter(_ReduceScatter(g))
@@ -176,7 +192,27 @@ class DecoupledState:
                        optimizer.register_step_post_hook(self._after_step)]
 
     # ---- phases
+    def _fail(self, reason: str):
+        """A failure inside a minibatch: some contributions may have landed, so the state
+        cannot be trusted any more."""
+        self.broken = reason
+        raise RuntimeError(f"odc decoupled mode: {reason}")
+
+    @contextlib.contextmanager
+    def _fail_on_error(self):
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001
+            self.broken = f"{type(e).__name__}: {e}"
+            raise
+
+    def _check_usable(self) -> None:
+        if self.broken:
+            raise RuntimeError("odc decoupled mode is unusable after an earlier error inside a "
+                               f"minibatch ({self.broken})")
+
     def _check_running(self, what: str) -> None:
+        self._check_usable()
         if self.synced:
             raise RuntimeError(f"odc decoupled mode: {what} after odc.sync() and before "
                                "optimizer.step(); step the optimizer first")
@@ -184,9 +220,11 @@ class DecoupledState:
     def _publish(self) -> None:
         for g in self.groups:
             self.backend.arena_publish(self.arena, g.index, g.packed_shard())
+            g.versions = g.local_versions()
         self.backend.arena_announce(self.arena, self.epoch)
 
     def _before_step(self, optimizer, args, kwargs):
+        self._check_usable()
         if not self.synced:
             raise RuntimeError("odc decoupled mode: optimizer.step() without odc.sync(model) "
                                "since the last step; call odc.sync(model) after the minibatch's "
@@ -199,9 +237,10 @@ class DecoupledState:
         self._since = time.perf_counter()
 
     def sync(self) -> None:
+        self._check_usable()
         if self.synced:
             raise RuntimeError("odc.sync called twice without optimizer.step() in between")
-        with _range("odc.sync"), torch.no_grad():
+        with _range("odc.sync"), torch.no_grad(), self._fail_on_error():
             self._sync()
 
     def metrics(self) -> dict:
@@ -227,13 +266,15 @@ class DecoupledState:
         log.info("odc sync epoch %d: busy %.3fs, waited %.3fs in sync (bubble %.1f%%)",
                  self.epoch, busy, wait, 100 * self.last["bubble_rate"])
         for g in self.groups:
-            acc = torch.empty(g.numel, dtype=torch.float32, device=self.device)
+            acc = torch.empty(g.grad_numel, dtype=torch.float32, device=self.device)
             self.backend.arena_take(self.arena, g.index, acc)
             if self.replicate_pg is not None and self.replicate_pg.size() > 1:
                 dist.all_reduce(acc, group=self.replicate_pg)
             acc.div_(self.dp_size)  # FSDP2's default: the mean over the data-parallel ranks
             off = 0
-            for p, padded in zip(g.params(), g.padded):
+            for p, padded, trainable in zip(g.params(), g.padded, g.trainable):
+                if not trainable:
+                    continue
                 local = p.to_local()
                 val = acc[off:off + local.numel()].view(local.shape).to(p.dtype)
                 off += padded

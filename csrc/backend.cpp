@@ -518,12 +518,15 @@ void check_arena_tensor(const at::Tensor& t, const c10::Device& device, size_t b
 }
 }  // namespace
 
-OdcBackend::ArenaEntry& OdcBackend::arena_at(int64_t arena, int64_t group, const char* what) {
+OdcBackend::ArenaEntry& OdcBackend::arena_at(int64_t arena, const char* what) {
   ODC_CHECK(arena >= 0 && arena < static_cast<int64_t>(arenas_.size()), Error, "odc: decoupled ",
             what, ": no arena ", arena, " (call odc.decouple first)");
-  ArenaEntry& e = arenas_[arena];
-  // group -1: an operation on the whole arena (announce, finish)
-  ODC_CHECK(group >= -1 && group < static_cast<int64_t>(e.arena->layout().numel.size()),
+  return arenas_[arena];
+}
+
+OdcBackend::ArenaEntry& OdcBackend::arena_at(int64_t arena, int64_t group, const char* what) {
+  ArenaEntry& e = arena_at(arena, what);
+  ODC_CHECK(group >= 0 && group < static_cast<int64_t>(e.arena->layout().numel.size()),
             ValueError, "odc: decoupled ", what, ": unknown parameter group ", group);
   return e;
 }
@@ -597,7 +600,6 @@ int64_t OdcBackend::arena_create(const c10::Device& device,
 
 void OdcBackend::arena_publish(int64_t arena, int64_t group, const at::Tensor& shard) {
   arena_call([&] {
-    ODC_CHECK(group >= 0, ValueError, "odc: decoupled publish: unknown parameter group ", group);
     ArenaEntry& e = arena_at(arena, group, "publish");
     check_arena_tensor(shard, e.device, e.arena->layout().pub_bytes[group], "publish");
     arena_op(e, Transport::kArenaSyncRing,
@@ -607,7 +609,7 @@ void OdcBackend::arena_publish(int64_t arena, int64_t group, const at::Tensor& s
 
 void OdcBackend::arena_announce(int64_t arena, int64_t epoch) {
   arena_call([&] {
-    ArenaEntry& e = arena_at(arena, -1, "announce");
+    ArenaEntry& e = arena_at(arena, "announce");
     arena_op(e, Transport::kArenaSyncRing,
              [&] { e.arena->announce(static_cast<uint64_t>(epoch)); });
   });
@@ -615,7 +617,6 @@ void OdcBackend::arena_announce(int64_t arena, int64_t epoch) {
 
 void OdcBackend::arena_get(int64_t arena, int64_t group, const at::Tensor& out, int64_t epoch) {
   arena_call([&] {
-    ODC_CHECK(group >= 0, ValueError, "odc: decoupled all_gather: unknown parameter group ", group);
     ArenaEntry& e = arena_at(arena, group, "all_gather");
     check_arena_tensor(out, e.device, e.arena->layout().pub_bytes[group] * getSize(),
                        "all_gather output");
@@ -629,8 +630,6 @@ void OdcBackend::arena_get(int64_t arena, int64_t group, const at::Tensor& out, 
 
 void OdcBackend::arena_accumulate(int64_t arena, int64_t group, const at::Tensor& in) {
   arena_call([&] {
-    ODC_CHECK(group >= 0, ValueError, "odc: decoupled reduce_scatter: unknown parameter group ",
-              group);
     ArenaEntry& e = arena_at(arena, group, "reduce_scatter");
     const DType dtype = to_dtype(in.scalar_type(), "decoupled reduce_scatter");
     check_arena_tensor(in, e.device,
@@ -644,7 +643,7 @@ void OdcBackend::arena_accumulate(int64_t arena, int64_t group, const at::Tensor
 
 void OdcBackend::arena_finish(int64_t arena, int64_t epoch) {
   arena_call([&] {
-    ArenaEntry& e = arena_at(arena, -1, "sync");
+    ArenaEntry& e = arena_at(arena, "sync");
     const uint64_t seq = ++seq_;
     arena_op(e, Transport::kArenaSyncRing,
              [&] { e.arena->finish(static_cast<uint64_t>(epoch), seq); });
@@ -654,7 +653,6 @@ void OdcBackend::arena_finish(int64_t arena, int64_t epoch) {
 
 void OdcBackend::arena_take(int64_t arena, int64_t group, const at::Tensor& out) {
   arena_call([&] {
-    ODC_CHECK(group >= 0, ValueError, "odc: decoupled sync: unknown parameter group ", group);
     ArenaEntry& e = arena_at(arena, group, "sync");
     ODC_CHECK(out.scalar_type() == at::kFloat, TypeError,
               "odc: decoupled sync: accumulators are float32");

@@ -145,7 +145,8 @@ class OdcBackend final : public c10d::Backend {
     std::unique_ptr<Arena> arena;
     Transport* transport;
   };
-  ArenaEntry& arena_at(int64_t arena, int64_t group, const char* what);
+  ArenaEntry& arena_at(int64_t arena, const char* what);
+  ArenaEntry& arena_at(int64_t arena, int64_t group, const char* what);  // and a valid group
   // Runs fn between the transport's begin_op / end_op on the current stream (CUDA).
   template <typename F>
   void arena_op(ArenaEntry& e, Transport::Ring ring, F&& fn);

@@ -528,10 +528,7 @@ cudaStream_t CudaIpcTransport::lane_stream(int lane) const {
 void CudaIpcTransport::launch_flags(int lane, const std::vector<const uint64_t*>& waits,
                                     const std::vector<int>& peers, uint64_t target,
                                     const WaitSite* site) {
-  if (lane > 0 && !lane_used_[lane]) {
-    check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
-  }
-  lane_used_[lane] = true;
+  fork_lane(lane);
   if (wait_value_) {  // stream memory operations: no kernel, no SM
     const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
     for (uint64_t* f : pending_[lane]) {
@@ -581,10 +578,7 @@ void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flag
     // Stream memory operations: written at once, in protocol order. Held back until
     // the lane's next wait, a signal could queue behind a blocked wait of another
     // stream sharing its hardware queue, and two ranks would wait for each other.
-    if (lane > 0 && !lane_used_[lane]) {
-      check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
-      lane_used_[lane] = true;
-    }
+    fork_lane(lane);
     const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
     for (uint64_t* f : flags) {
       if (write_value_(s, reinterpret_cast<CUdeviceptr>(f), value,
@@ -605,6 +599,11 @@ void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flag
 // Before a data step on a lane: pending signals first, the lane forked from the op stream.
 void CudaIpcTransport::issue_prepare(int lane) {
   flush_signals(lane);
+  fork_lane(lane);
+}
+
+// A side lane's first step of an operation waits for everything before the operation.
+void CudaIpcTransport::fork_lane(int lane) {
   if (lane > 0 && !lane_used_[lane]) {
     check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
     lane_used_[lane] = true;
@@ -612,18 +611,14 @@ void CudaIpcTransport::issue_prepare(int lane) {
 }
 
 void CudaIpcTransport::issue_copy(int lane, void* dst, const void* src, size_t bytes) {
-  flush_signals(lane);
-  if (lane > 0 && !lane_used_[lane]) {
-    check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
-    lane_used_[lane] = true;
-  }
+  issue_prepare(lane);
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, lane_stream(lane)),
         "cudaMemcpyAsync");
 }
 
 void CudaIpcTransport::issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                                     size_t numel, const ReduceSpec& spec) {
-  flush_signals(lane);
+  issue_prepare(lane);
   ReduceOpArgs r{};
   r.n_src = static_cast<int>(srcs.size());
   bool aligned = reinterpret_cast<uintptr_t>(dst) % 16 == 0;

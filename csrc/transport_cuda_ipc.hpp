@@ -95,6 +95,7 @@ class CudaIpcTransport final : public Transport {
   void flush_signals(int lane);
   void issue_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value);
   void issue_prepare(int lane);
+  void fork_lane(int lane);
   void issue_copy(int lane, void* dst, const void* src, size_t bytes);
   void issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
                     const ReduceSpec& spec);

@@ -107,3 +107,21 @@ def run_distributed(
             msg.append(f"--- rank {r} ---\n{tb}")
         raise AssertionError("\n".join(msg))
     return {r: pickle.loads(payload) if s == "ok" else payload for r, (s, payload) in results.items()}
+
+
+def run_once(launch: Callable[..., dict[int, Any]]) -> Callable[..., dict[int, Any]]:
+    """Memoize a distributed job per argument tuple, failures included: tests sharing one
+    spawned job (spawning is slow on CI) each get its result, or its AssertionError."""
+    runs: dict[tuple, Any] = {}
+
+    def get(*key):
+        if key not in runs:
+            try:
+                runs[key] = launch(*key)
+            except AssertionError as e:
+                runs[key] = e
+        if isinstance(runs[key], Exception):
+            raise runs[key]
+        return runs[key]
+
+    return get

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_models as fm
-from dist_utils import run_distributed
+from dist_utils import run_distributed, run_once
 
 STEPS = 3
 CONFIGS = {
@@ -168,20 +168,8 @@ def _worker(rank, world, configs):
 
 @pytest.fixture(scope="module")
 def run():
-    runs = {}
-
-    def get(world):
-        if world not in runs:
-            try:
-                runs[world] = run_distributed(_worker, world, CONFIGS[world], backend="cpu:odc",
-                                              deadline_s=300)
-            except AssertionError as e:
-                runs[world] = e
-        if isinstance(runs[world], Exception):
-            raise runs[world]
-        return runs[world]
-
-    return get
+    return run_once(lambda world: run_distributed(_worker, world, CONFIGS[world], backend="cpu:odc",
+                                                  deadline_s=300))
 
 
 @pytest.mark.parametrize("world,name", [(w, n) for w in CONFIGS for n in CONFIGS[w]])

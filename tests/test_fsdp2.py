@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 import fsdp_models as fm
-from dist_utils import run_distributed
+from dist_utils import run_distributed, run_once
 
 HSDP = dict(mesh=(2, 2), dims=("replicate", "shard"))
 ACCUM_CLIP = dict(grad_accum=2, clip_norm=0.05)  # 0.05 is well below the grad norm: clipping is active
@@ -81,22 +81,12 @@ def _worker(rank, world, configs, ckpt_dir):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """run(world, backend) -> {rank: worker result}; each job runs once, failures are cached too."""
-    runs = {}
+    def launch(world, backend):
+        ckpt = tmp_path_factory.mktemp(f"dcp_w{world}_{backend.replace(':', '_')}")
+        return run_distributed(_worker, world, CONFIGS[world], str(ckpt), backend=backend,
+                               deadline_s=240)
 
-    def get(world, backend):
-        key = (world, backend)
-        if key not in runs:
-            ckpt = tmp_path_factory.mktemp(f"dcp_w{world}_{backend.replace(':', '_')}")
-            try:
-                runs[key] = run_distributed(_worker, world, CONFIGS[world], str(ckpt),
-                                             backend=backend, deadline_s=240)
-            except AssertionError as e:
-                runs[key] = e
-        if isinstance(runs[key], Exception):
-            raise runs[key]
-        return runs[key]
-
-    return get
+    return run_once(launch)
 
 
 def _config(run, world, backend, name, rank):

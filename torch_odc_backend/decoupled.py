@@ -47,9 +47,10 @@ _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, DecoupledState]" = weakref.
 class _Group:
     """One FSDP module's parameter group: its layout and its comm objects."""
 
-    def __init__(self, state: "DecoupledState", index: int, module: FSDPModule):
+    def __init__(self, state: "DecoupledState", index: int, module: FSDPModule,
+                 policy: _fsdp_adapter.GroupPolicy):
         self.state, self.index, self.module = state, index, module
-        policy = _fsdp_adapter.group_policy(module)
+        self.params = policy.params  # re-read at every publish (FSDP2 may rebind them)
         for p in policy.params:
             if not isinstance(p, DTensor) or p.placements[-1] != Shard(0):
                 raise ValueError("odc decoupled mode needs parameters sharded on dim 0 "
@@ -68,18 +69,18 @@ class _Group:
         self.grad_numel = sum(n for n, t in zip(self.padded, self.trainable) if t)
         self.versions = None  # the local shards' version counters when last published
 
-    def params(self):
-        return _fsdp_adapter.group_policy(self.module).params
+    def refresh(self) -> None:
+        self.params = _fsdp_adapter.group_policy(self.module).params
 
     def local_versions(self) -> list[int]:
-        return [p.to_local()._version for p in self.params()]
+        return [p.to_local()._version for p in self.params]
 
     def packed_shard(self) -> torch.Tensor:
         """This rank's shard as FSDP2 packs it for an all-gather: each parameter's local rows
         cast to param_dtype, zero-padded to the padded shard size, concatenated."""
         out = torch.zeros(self.numel, dtype=self.param_dtype, device=self.state.device)
         off = 0
-        for p, padded in zip(self.params(), self.padded):
+        for p, padded in zip(self.params, self.padded):
             local = p.to_local().detach().reshape(-1)
             out[off:off + local.numel()].copy_(local)
             off += padded
@@ -142,8 +143,8 @@ class DecoupledState:
         modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if not modules:
             raise ValueError("odc.decouple: the model has no fully_shard modules")
-        groups = [m for m in modules if _fsdp_adapter.group_policy(m) is not None]
-        first = _fsdp_adapter.group_policy(groups[0]).params[0]
+        groups = [(m, pol) for m in modules if (pol := _fsdp_adapter.group_policy(m)) is not None]
+        first = groups[0][1].params[0]
         self.mesh = first.device_mesh
         self.device = first.to_local().device
         self.shard_dim = self.mesh.ndim - 1
@@ -165,10 +166,9 @@ class DecoupledState:
             raise ValueError("odc.decouple needs at least 2 ranks in the shard dimension (with one, "
                              "FSDP2 bypasses the reduce-scatter)")
         self.dp_size = self.world * (self.replicate_pg.size() if self.replicate_pg is not None else 1)
-        self.groups = [_Group(self, i, m) for i, m in enumerate(groups)]
+        self.groups = [_Group(self, i, m, pol) for i, (m, pol) in enumerate(groups)]
         for g in self.groups:
-            mesh = _fsdp_adapter.group_policy(g.module).params[0].device_mesh
-            if mesh != self.mesh:
+            if g.params[0].device_mesh != self.mesh:
                 raise ValueError("odc.decouple: every fully_shard module must use the same mesh")
         self.epoch = 1
         self.synced = False
@@ -219,6 +219,7 @@ class DecoupledState:
 
     def _publish(self) -> None:
         for g in self.groups:
+            g.refresh()
             self.backend.arena_publish(self.arena, g.index, g.packed_shard())
             g.versions = g.local_versions()
         self.backend.arena_announce(self.arena, self.epoch)
@@ -272,7 +273,7 @@ class DecoupledState:
                 dist.all_reduce(acc, group=self.replicate_pg)
             acc.div_(self.dp_size)  # FSDP2's default: the mean over the data-parallel ranks
             off = 0
-            for p, padded, trainable in zip(g.params(), g.padded, g.trainable):
+            for p, padded, trainable in zip(g.params, g.padded, g.trainable):
                 if not trainable:
                     continue
                 local = p.to_local()

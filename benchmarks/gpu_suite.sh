@@ -15,7 +15,8 @@
 #   tests    pytest tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py on 2 GPUs, then on 4
 #            (there only the tests that use every GPU: the others ran on 2)
 #   bench    benchmarks/collectives.py under torchrun on 2 GPUs (0,1), then on 4
-#   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, reference (NCCL)
+#   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, odc --decoupled (unless
+#            EXAMPLE_DECOUPLED=0), reference (NCCL)
 #
 # Every stage runs under a timeout clamped to what is left of SUITE_BUDGET_S
 # (default 450 s), so the whole suite stays well under 9 minutes. TEST_GPUS / BENCH_GPUS
@@ -143,6 +144,11 @@ stage_example() {
     if [ "${#hsdp[@]}" -gt 0 ]; then
         run_step example_odc_hsdp 90 "$OUT/example_odc_hsdp.log" \
             torchrun --standalone --nproc-per-node="$n" examples/train_fsdp2.py --steps ${EXAMPLE_STEPS:-100} "${hsdp[@]}"
+    fi
+    if [ "${EXAMPLE_DECOUPLED:-1}" = 1 ]; then
+        run_step example_odc_decoupled 90 "$OUT/example_odc_decoupled.log" \
+            torchrun --standalone --nproc-per-node="$n" examples/train_fsdp2.py --steps ${EXAMPLE_STEPS:-100} --grad-accum 2 \
+                --decoupled
     fi
     [ "${EXAMPLE_ODC_ONLY:-0}" = 1 ] && return  # only the odc run (short device budget)
     run_step example_reference 90 "$OUT/example_reference.log" \

@@ -188,8 +188,8 @@ def main(argv=None) -> int:
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     if args.decoupled:
-        if pg_backend not in ("cpu:odc",):
-            sys.exit("--decoupled needs the odc backend on CPU (GPU support is not validated yet)")
+        if backend_kind != "odc":
+            sys.exit("--decoupled needs the odc backend (--backend odc)")
         import torch_odc_backend as odc
 
         odc.decouple(model, opt)  # the first of the two lines decoupled mode adds

@@ -15,6 +15,9 @@
 #   tests    pytest tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py on 2 GPUs, then on 4
 #            (there only the tests that use every GPU: the others ran on 2)
 #   bench    benchmarks/collectives.py under torchrun on 2 GPUs (0,1), then on 4
+#   train    benchmarks/train_imbalanced.py on all GPUs: a 2-layer smoke run, then the 1.5B
+#            long-tailed run and the balanced control (TRAIN_ARGS adds arguments to both),
+#            with timeline plots (benchmarks/plot_timeline.py)
 #   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, odc --decoupled (unless
 #            EXAMPLE_DECOUPLED=0), reference (NCCL)
 #
@@ -49,7 +52,7 @@ GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head 
 GPU_SLUG=$(printf '%s' "${GPU_NAME:-unknown}" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 kind_for() { echo "${GPU_SLUG}-x$1"; }   # what the run measured: <gpu>-x<gpus used>
 
-if [ "$#" -gt 0 ]; then STAGES=("$@"); else STAGES=(build tests bench example); fi
+if [ "$#" -gt 0 ]; then STAGES=("$@"); else STAGES=(build tests bench example train); fi
 
 declare -a SUM_NAME SUM_STATUS SUM_SECS SUM_LOG
 FAILED=0
@@ -156,10 +159,29 @@ stage_example() {
             --backend reference
 }
 
+stage_train() {
+    local n=$NGPU res="$OUT/benchmarks/results"
+    if [ "$n" -lt 2 ]; then skip_step train "only $NGPU GPUs"; return; fi
+    run_step train_smoke 150 "$OUT/train_smoke.log" \
+        torchrun --standalone --nproc-per-node="$n" benchmarks/train_imbalanced.py \
+            --layers 2 --steps 2 --docs-per-step $(( 2 * n )) --out-dir "$OUT/smoke"
+    rm -rf "$OUT/smoke"
+    run_step train_imbalanced ${TRAIN_MAX_S:-300} "$OUT/train_imbalanced.log" \
+        torchrun --standalone --nproc-per-node="$n" benchmarks/train_imbalanced.py --out-dir "$res" ${TRAIN_ARGS:-}
+    if [ "${TRAIN_BALANCED:-1}" = 1 ]; then
+        run_step train_balanced ${TRAIN_MAX_S:-300} "$OUT/train_balanced.log" \
+            torchrun --standalone --nproc-per-node="$n" benchmarks/train_imbalanced.py --balanced \
+                --out-dir "$res" ${TRAIN_ARGS:-}
+    fi
+    for f in "$res"/train_imbalanced_*.json; do
+        [ -e "$f" ] && $PY benchmarks/plot_timeline.py "$f" --steps 3 || true
+    done
+}
+
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        build|tests|bench|example) "stage_$stage" ;;
-        *) echo "unknown stage '$stage' (choose from: build tests bench example)"; skip_step "$stage" unknown; FAILED=1 ;;
+        build|tests|bench|example|train) "stage_$stage" ;;
+        *) echo "unknown stage '$stage' (choose from: build tests bench example train)"; skip_step "$stage" unknown; FAILED=1 ;;
     esac
 done
 
@@ -180,6 +202,16 @@ ref = d.get("reference_backend", "nccl")
 print(f"{sys.argv[1].rsplit('/', 1)[-1]}: complete={d.get('complete')} checks={s.get('all_checks_passed')} "
       f"min_busbw_ratio_ge_4MiB={s.get('min_busbw_ratio_ge_4MiB')} "
       f"gemm_slowdown_ratio_odc_vs_{ref}={s.get(f'gemm_slowdown_ratio_odc_vs_{ref}')}")
+EOF
+    done
+    for f in "$OUT"/benchmarks/results/train_imbalanced_*.json; do
+        [ -e "$f" ] || continue
+        $PY - "$f" <<'EOF' 2>/dev/null || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+r = {n: round(v["tokens_per_s"]) for n, v in d["results"].items()}
+s = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in d["summary"].items() if k != "microbatch_time_fit"}
+print(f"{sys.argv[1].rsplit('/', 1)[-1]}: tokens/s {r} {s}")
 EOF
     done
     [ "$FAILED" -eq 0 ] && echo "RESULT: all stages passed" || echo "RESULT: some stages FAILED"

@@ -1,24 +1,36 @@
 #!/usr/bin/env python3
-"""Imbalanced variable-length training: exact mode + LB-Micro vs decoupled mode + LB-Mini.
+"""Imbalanced variable-length training: per-layer synchronous FSDP2 vs odc decoupled mode.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/train_imbalanced.py        # CPU, ~1 min
+    torchrun --standalone --nproc-per-node=4 benchmarks/train_imbalanced.py        # GPUs: 1.5B Qwen2
 
 Each minibatch holds synthetic documents with long-tailed lengths (lognormal, seeded; or
 constant lengths with ``--balanced``), packed into token-capped microbatches with
 per-document causal attention. Configurations run side by side in one job, on the same
 documents, from the same initial weights:
 
-* ``exact_lbmicro``: FSDP2 on odc exact mode; ``balance.lb_micro`` gives every rank the
-  same number of microbatches (an empty one becomes a zero-weight dummy so that every
-  rank joins every layer's collectives);
+* ``reference_lbmicro``: FSDP2 on NCCL (gloo on CPU); ``balance.lb_micro`` gives every rank
+  the same number of microbatches (an empty one becomes a zero-weight dummy, so every rank
+  joins every layer's collectives);
+* ``exact_lbmicro``: the same on odc exact mode;
 * ``decoupled_lbmini``: ``odc.decouple``; ``balance.lb_mini`` balances each rank's total
   cost, counts may differ; one ``odc.sync`` per minibatch.
 
+On GPUs the model is a Qwen2-style decoder built from a ``transformers`` ``Qwen2Config``
+(1.5B parameters, random weights; ``--layers`` shrinks it), bf16 compute with fp32 master
+weights and fp32 gradient reduction, activation checkpointing per decoder layer, and a
+chunked LM-head loss; each document attends causally to itself only (an attention function
+registered with ``transformers.AttentionInterface``). On CPU a small transformer stands in
+(``--model qwen2-tiny`` runs the GPU model's code path at toy size).
+
 Reported per configuration (rank 0 writes ``benchmarks/results/train_imbalanced_<kind>_<date>.json``):
-tokens/s, mean step time, the decoupled bubble rate (``odc.metrics``), the plans' predicted
-ideal speedup (``plan_stats``: sum over steps of the slowest rank vs the slowest rank's
-total, from the cost model) and the measured speedup. The GPU version of this benchmark
-(a 1.5B-parameter model on 4 GPUs) needs decoupled mode validated on GPUs first.
+tokens/s, step times (the slowest rank's), peak memory, the bubble rate (idle share of the
+ranks' time, from the measured per-microbatch cost fit), odc's own sync-wait bubble in
+decoupled mode, and per-rank timelines (``benchmarks/plot_timeline.py`` draws them). The
+ideal speedup comes from measured microbatch times: ``t = a + s * flops(microbatch)`` is
+fitted to the decoupled run's microbatches (which wait on no peer), then
+``sum over minibatches of (sum over LB-Micro rounds of the slowest rank)`` is compared with
+``sum over minibatches of the slowest rank's LB-Mini total``.
 """
 from __future__ import annotations
 
@@ -37,12 +49,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import torch_odc_backend as odc
 from torch_odc_backend import balance
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Qwen2-1.5B's shape (hidden 1536, 28 layers, 12 heads / 2 KV heads, SwiGLU 8960, vocab
+# 151936, tied embeddings): 1.54B parameters.
+QWEN2_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                  max_position_embeddings=131072, rope_theta=1_000_000.0, tie_word_embeddings=True)
+QWEN2_TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+
+
+# --------------------------------------------------------------------------- models
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):
@@ -60,157 +83,411 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.n2(x))))
 
 
-class PackedLM(nn.Module):
+class SmallPackedLM(nn.Module):
+    """CPU stand-in: a small transformer with a dense per-document causal mask."""
+
     def __init__(self, vocab: int, d: int, heads: int, layers: int):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.norm, self.head = nn.RMSNorm(d), nn.Linear(d, vocab, bias=False)
 
-    def forward(self, tokens, doc_ids):
-        # per-document causal attention inside one packed sequence
+    def layers(self):
+        return list(self.blocks)
+
+    def forward(self, tokens, labels, lengths):
+        doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         same = doc_ids[:, None] == doc_ids[None, :]
         mask = same & torch.ones_like(same).tril()
         x = self.emb(tokens)
         for blk in self.blocks:
             x = blk(x, mask)
-        return self.head(self.norm(x))
+        return F.cross_entropy(self.head(self.norm(x)), labels, reduction="sum")
 
+
+def _doc_causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                          cu_seq_lens_q=None, **kwargs):
+    """transformers attention function: causal attention inside each packed document.
+
+    ``query`` is (1, heads, tokens, head_dim), ``key``/``value`` (1, kv_heads, tokens,
+    head_dim); ``cu_seq_lens_q`` holds the document boundaries (a Python list here). One
+    causal SDPA call per document (flash attention on GPUs): cost ~ sum of squared lengths.
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    bounds = cu_seq_lens_q
+    out = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                          is_causal=True, scale=scaling)
+           for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(out, 2).transpose(1, 2).contiguous(), None
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing of one decoder layer (FSDP2 wraps this module; the
+    recomputation runs inside its backward, with its parameters gathered)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+class PackedQwen2(nn.Module):
+    """Qwen2ForCausalLM over one packed sequence; returns the summed token loss."""
+
+    def __init__(self, shape: dict, activation_checkpointing: bool, loss_chunk: int):
+        super().__init__()
+        from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
+
+        AttentionInterface.register("odc_doc_causal", _doc_causal_attention)
+        config = Qwen2Config(**shape)
+        self.lm = Qwen2ForCausalLM(config)
+        self.lm.config._attn_implementation = "odc_doc_causal"
+        if activation_checkpointing:
+            blocks = self.lm.model.layers
+            for i in range(len(blocks)):
+                blocks[i] = Checkpointed(blocks[i])
+        self.loss_chunk = loss_chunk
+
+    def layers(self):
+        return list(self.lm.model.layers)
+
+    def _chunk_loss(self, hidden, labels):
+        logits = self.lm.lm_head(hidden).float()
+        return F.cross_entropy(logits, labels, reduction="sum")
+
+    def forward(self, tokens, labels, lengths):
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        positions = torch.cat([torch.arange(n, device=tokens.device) for n in lengths])
+        hidden = self.lm.model(input_ids=tokens[None], position_ids=positions[None],
+                               cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+                               use_cache=False).last_hidden_state[0]
+        # chunked, recomputed LM head: never holds all of a 64K-token microbatch's logits
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        for s in range(0, hidden.shape[0], self.loss_chunk):
+            loss = loss + checkpoint(self._chunk_loss, hidden[s:s + self.loss_chunk],
+                                     labels[s:s + self.loss_chunk], use_reentrant=False)
+        return loss
+
+
+# --------------------------------------------------------------------------- data
 
 def make_documents(n: int, seed: int, balanced: bool, mean: int, cap: int) -> list[int]:
     rng = random.Random(seed)
     if balanced:
         return [mean] * n
     sigma = 1.0
-    mu = math.log(mean) - sigma * sigma / 2  # lognormal with the requested mean
+    mu = math.log(mean) - sigma * sigma / 2  # lognormal with the requested mean (before the cap)
     return [max(8, min(cap, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
 
 
-def microbatch(doc_lengths: list[int], vocab: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    toks, ids = [], []
-    for i, n in enumerate(doc_lengths):
-        toks.append(torch.randint(0, vocab, (n + 1,), generator=g))
-        ids.append(torch.full((n + 1,), i))
-    t, d = torch.cat(toks), torch.cat(ids)
-    return t[:-1], t[1:], d[:-1]
+def microbatch(step: int, doc_indices: list[int], doc_lengths: list[int], vocab: int, device):
+    """Random tokens for documents packed back to back: (inputs, labels), each sum(lengths).
+    A document's tokens depend on (step, its index) only, whichever microbatch it lands in."""
+    toks = [torch.randint(0, vocab, (n + 1,), generator=torch.Generator().manual_seed(step * 100003 + i))
+            for i, n in zip(doc_indices, doc_lengths)]
+    x = torch.cat([t[:-1] for t in toks]).to(device)
+    y = torch.cat([t[1:] for t in toks]).to(device)
+    return x, y
 
 
-def train_steps(model, opt, plans, docs, args, decoupled: bool) -> list[float]:
-    """One optimizer step per minibatch; returns the step times (wall, rank-local)."""
+# --------------------------------------------------------------------------- timing
+
+class Clock:
+    """Marks on the GPU's compute stream (CUDA events) or the CPU clock; read after a step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def since(self, start, mark) -> float:
+        """Seconds from ``start`` to ``mark`` (CUDA: call after the events completed)."""
+        return start.elapsed_time(mark) / 1e3 if self.cuda else mark - start
+
+
+def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, first_step=0):
+    """One optimizer step per minibatch. Returns this rank's step times, timelines (per
+    step, a list of (what, start_s, end_s, tokens, doc lengths) from the step's start) and
+    its share of each minibatch's loss."""
     rank = dist.get_rank()
-    times = []
-    for step, (plan, lengths) in enumerate(zip(plans, docs)):
-        dist.barrier()  # every configuration's step starts together
+    clock = Clock(device)
+    times, timelines, losses = [], [], []
+    for step, (plan, lengths) in enumerate(zip(plans, docs), start=first_step):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier(group=cpu_group)  # every configuration's step starts together
         t0 = time.perf_counter()
+        start = clock.mark()
+        marks = []
+        loss_sum = torch.zeros((), device=device)
         tokens = sum(lengths)  # the minibatch's global token count normalises the loss
         for mb in plan[rank]:
-            if mb:
-                x, y, d = microbatch([lengths[i] for i in mb], args.vocab, seed=step * 1000 + sum(mb))
-                weight = 1.0
-            else:  # LB-Micro padding: join the step's collectives with a zero-weight dummy
-                x, y, d = microbatch([8], args.vocab, seed=0)
-                weight = 0.0
-            (F.cross_entropy(model(x, d), y, reduction="sum") * (weight / tokens)).backward()
+            docs_mb = [lengths[i] for i in mb] if mb else [8]
+            weight = 1.0 if mb else 0.0  # LB-Micro padding: a zero-weight dummy joins the collectives
+            x, y = microbatch(step, mb or [-1], docs_mb, args.vocab, device)
+            m0 = clock.mark()
+            loss = model(x, y, docs_mb) * (weight / tokens)
+            loss.backward()
+            loss_sum += loss.detach()
+            marks.append(("micro" if mb else "dummy", m0, clock.mark(), sum(docs_mb) if mb else 0,
+                          docs_mb if mb else []))
+        s0 = clock.mark()
         if decoupled:
             odc.sync(model)
+        s1 = clock.mark()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
+        s2 = clock.mark()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times
+        line = [(what, clock.since(start, a), clock.since(start, b), n, d) for what, a, b, n, d in marks]
+        line.append(("sync", clock.since(start, s0), clock.since(start, s1), 0, []))
+        line.append(("optimizer", clock.since(start, s1), clock.since(start, s2), 0, []))
+        timelines.append(line)
+        losses.append(loss_sum.item())  # this rank's share of the minibatch's mean token loss
+    return times, timelines, losses
 
+
+# --------------------------------------------------------------------------- analysis
+
+def fit_time(samples, cost) -> tuple[float, float]:
+    """Least squares ``t = a + s * cost(lengths)`` over (lengths, seconds) samples."""
+    import numpy as np
+
+    xs = np.array([cost(d) for d, _ in samples], dtype=float)
+    ts = np.array([t for _, t in samples], dtype=float)
+    if len(samples) < 2 or np.ptp(xs) == 0:  # one microbatch size: no intercept to tell apart
+        return 0.0, float(ts.sum() / max(xs.sum(), 1e-30))
+    s, a = np.polyfit(xs, ts, 1)
+    return float(a), float(s)
+
+
+def analyse(results, plans, docs, cost, world):
+    """Fitted per-microbatch time, ideal speedup and bubble rates (in place)."""
+    dec = results["decoupled_lbmini"]
+    samples = [(d, e - s) for rank_lines in dec["timelines"] for line in rank_lines
+               for what, s, e, _, d in line if what == "micro"]
+    a, s = fit_time(samples, cost)
+    fitted = lambda lengths: a + s * cost(lengths)  # noqa: E731
+    fit = {"a_s": a, "s_per_flop": s, "samples": len(samples),
+           "mean_abs_error_s": sum(abs(fitted(d) - t) for d, t in samples) / max(len(samples), 1)}
+    sync_time = sum(balance.plan_stats(p, d, fitted)["sync_time"]
+                    for p, d in zip(plans["exact_lbmicro"], docs))
+    decoupled_time = sum(balance.plan_stats(p, d, fitted)["decoupled_time"]
+                         for p, d in zip(plans["decoupled_lbmini"], docs))
+    for name, res in results.items():
+        busy = sum(fitted([docs[k][i] for i in mb]) for k, p in enumerate(plans[name])
+                   for rank_plan in p for mb in rank_plan if mb)
+        res["bubble_rate"] = max(0.0, 1.0 - busy / (world * sum(res["step_times_s"])))
+    return fit, sync_time / decoupled_time
+
+
+# --------------------------------------------------------------------------- main
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=9)
-    p.add_argument("--docs-per-step", type=int, default=10)
-    p.add_argument("--mean-len", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=768, help="token cap per microbatch")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--model", choices=("auto", "small", "qwen2-tiny", "qwen2-1.5b"), default="auto",
+                   help="auto: qwen2-1.5b on GPUs, small on CPU")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--steps", type=int, default=None, help="minibatches, the first one untimed")
+    p.add_argument("--docs-per-step", type=int, default=None, help="documents per minibatch (global)")
+    p.add_argument("--mean-len", type=int, default=None, help="mean document length (tokens)")
+    p.add_argument("--max-tokens", type=int, default=None, help="token cap per microbatch")
+    p.add_argument("--loss-chunk", type=int, default=8192, help="tokens per LM-head chunk (GPU model)")
+    p.add_argument("--no-activation-checkpointing", action="store_true")
+    p.add_argument("--configs", default="reference_lbmicro,exact_lbmicro,decoupled_lbmini")
     p.add_argument("--balanced", action="store_true", help="constant document lengths (control)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("cpu:odc")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("cpu:gloo,cuda:odc")
+        ref_backend = "nccl"
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        dist.init_process_group("cpu:odc")
+        ref_backend = "gloo"
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
-    cost = balance.TransformerCost(hidden_size=args.d_model, num_layers=args.layers,
-                                   intermediate_size=4 * args.d_model, num_heads=args.heads,
-                                   vocab_size=args.vocab, gated_mlp=False)
+    model_kind = args.model if args.model != "auto" else ("qwen2-1.5b" if use_cuda else "small")
+    gpu_scale = model_kind == "qwen2-1.5b"
+    args.steps = args.steps or (5 if gpu_scale else 9)
+    args.mean_len = args.mean_len or (16500 if gpu_scale else 200)
+    args.max_tokens = args.max_tokens or (65536 if gpu_scale else 768)
+    args.docs_per_step = args.docs_per_step or (8 * world if gpu_scale else 10)
+
+    if model_kind == "small":
+        shape = dict(hidden_size=128, num_hidden_layers=args.layers or 4, num_attention_heads=4,
+                     vocab_size=512, intermediate_size=512)
+        build = lambda: SmallPackedLM(shape["vocab_size"], shape["hidden_size"],  # noqa: E731
+                                      shape["num_attention_heads"], shape["num_hidden_layers"])
+        cost = balance.TransformerCost(hidden_size=128, num_layers=shape["num_hidden_layers"],
+                                       intermediate_size=512, num_heads=4, vocab_size=512,
+                                       gated_mlp=False)
+    else:
+        shape = dict(QWEN2_1_5B if model_kind == "qwen2-1.5b" else QWEN2_TINY)
+        if args.layers:
+            shape["num_hidden_layers"] = args.layers
+        ac = not args.no_activation_checkpointing
+        build = lambda: PackedQwen2(shape, ac, args.loss_chunk)  # noqa: E731
+        cost = balance.TransformerCost(hidden_size=shape["hidden_size"],
+                                       num_layers=shape["num_hidden_layers"],
+                                       intermediate_size=shape["intermediate_size"],
+                                       num_heads=shape["num_attention_heads"],
+                                       num_kv_heads=shape["num_key_value_heads"],
+                                       vocab_size=shape["vocab_size"],
+                                       linear_training_factor=4.0 if ac else 3.0)
+    args.vocab = shape["vocab_size"]
+
+    cpu_group = dist.new_group(backend="gloo")
+    # Distinct dim names: meshes of one shape compare equal otherwise, and FSDP2 then gave the
+    # second model's parameters the first mesh (seen on torch 2.13: odc runs moved by gloo).
+    meshes = {"odc": init_device_mesh(device.type, (world,), mesh_dim_names=("odc_shard",))}
+    names = [n for n in args.configs.split(",") if n]
+    if "reference_lbmicro" in names:
+        meshes["reference"] = DeviceMesh.from_group(dist.new_group(backend=ref_backend), device.type,
+                                                    mesh_dim_names=("reference_shard",))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if use_cuda else MixedPrecisionPolicy())
+
     docs = [make_documents(args.docs_per_step, args.seed * 100 + s, args.balanced, args.mean_len,
                            args.max_tokens) for s in range(args.steps)]
-    plans = {"exact_lbmicro": [balance.lb_micro(d, world, args.max_tokens, cost) for d in docs],
-             "decoupled_lbmini": [balance.lb_mini(d, world, args.max_tokens, cost) for d in docs]}
+    planners = {"lbmicro": balance.lb_micro, "lbmini": balance.lb_mini}
+    plans = {name: [planners[name.rsplit("_", 1)[1]](d, world, args.max_tokens, cost) for d in docs]
+             for name in names}
+    if rank == 0:
+        n_tokens = sum(map(sum, docs))
+        print(f"[train_imbalanced] {model_kind} ({shape['num_hidden_layers']} layers) on {world} x "
+              f"{torch.cuda.get_device_name(device) if use_cuda else 'cpu'}; {args.steps} minibatches "
+              f"of {args.docs_per_step} {'balanced' if args.balanced else 'long-tailed'} documents "
+              f"({n_tokens / args.steps:.0f} tokens each), <= {args.max_tokens} tokens per microbatch",
+              flush=True)
+
     results = {}
-    for name, plan in plans.items():
+    for name in names:
         decoupled = name.startswith("decoupled")
+        if use_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            used_before = torch.cuda.mem_get_info(device)
         torch.manual_seed(args.seed)  # the same initial weights for every configuration
-        model = PackedLM(args.vocab, args.d_model, args.heads, args.layers)
-        for blk in model.blocks:
-            fully_shard(blk, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with device:
+            model = build()
+        n_params = sum(q.numel() for q in model.parameters())
+        mesh = meshes["reference" if name.startswith("reference") else "odc"]
+        for layer in model.layers():
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        moved_by = next(model.parameters()).device_mesh.get_group()._get_backend(device).name()
+        if moved_by != ("odc" if mesh is meshes["odc"] else ref_backend):
+            raise RuntimeError(f"{name}: the parameters' mesh moves {device.type} tensors with {moved_by}")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if decoupled:
             odc.decouple(model, opt)
-        train_steps(model, opt, plan[:1], docs[:1], args, decoupled)  # warm-up, not timed
+        plan = plans[name]
+        train_steps(model, opt, plan[:1], docs[:1], args, decoupled, device, cpu_group)  # warm-up
         before = odc.metrics(model) if decoupled else None
-        times = train_steps(model, opt, plan[1:], docs[1:], args, decoupled)
-        stats = [balance.plan_stats(pl, d, cost) for pl, d in zip(plan[1:], docs[1:])]
-        res = {"step_times_s": times, "mean_step_s": sum(times) / len(times),
-               "tokens_per_s": sum(sum(d) for d in docs[1:]) / sum(times),
-               "per_rank_microbatches": [st["per_rank_microbatches"] for st in stats],
-               "predicted_sync_time": sum(st["sync_time"] for st in stats),
-               "predicted_decoupled_time": sum(st["decoupled_time"] for st in stats)}
+        times, timelines, losses = train_steps(model, opt, plan[1:], docs[1:], args, decoupled,
+                                               device, cpu_group, first_step=1)
+        res = {"local_step_times_s": times, "local_losses": losses}
+        if use_cuda:
+            free, total = torch.cuda.mem_get_info(device)
+            res.update(peak_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+                       peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
+                       device_used_gib=(total - free) / 2**30,
+                       device_used_growth_gib=(used_before[0] - free) / 2**30)
         if decoupled:
             after = odc.metrics(model)
             busy = after["busy_s"] - before["busy_s"]
             wait = after["sync_wait_s"] - before["sync_wait_s"]
-            res.update(busy_s=busy, sync_wait_s=wait, bubble_rate=wait / (busy + wait))
-        # every rank's step times: the step time that counts is the slowest rank's
-        gathered = [None] * world
-        dist.all_gather_object(gathered, times)
-        res["step_times_s"] = [max(ts[k] for ts in gathered) for k in range(len(times))]
-        res["mean_step_s"] = sum(res["step_times_s"]) / len(times)
-        res["tokens_per_s"] = sum(sum(d) for d in docs[1:]) / sum(res["step_times_s"])
-        results[name] = res
+            res.update(odc_busy_s=busy, odc_sync_wait_s=wait, odc_bubble_rate=wait / (busy + wait))
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, res, group=cpu_group)
+        lines = [None] * world
+        dist.all_gather_object(lines, timelines, group=cpu_group)
+        merged = {"step_times_s": [max(r["local_step_times_s"][k] for r in per_rank) for k in range(len(times))],
+                  "loss_per_step": [sum(r["local_losses"][k] for r in per_rank) for k in range(len(times))],
+                  "per_rank": per_rank, "timelines": lines,
+                  "per_rank_microbatches": [[len(rp) for rp in pl] for pl in plan[1:]]}
+        merged["mean_step_s"] = sum(merged["step_times_s"]) / len(times)
+        merged["tokens_per_s"] = sum(sum(d) for d in docs[1:]) / sum(merged["step_times_s"])
+        if use_cuda:
+            merged["peak_reserved_gib_max"] = max(r["peak_reserved_gib"] for r in per_rank)
+            merged["device_used_gib_max"] = max(r["device_used_gib"] for r in per_rank)
+        results[name] = merged
         if rank == 0:
-            print(f"[train_imbalanced] {name:17s} {res['tokens_per_s']:9.0f} tokens/s, "
-                  f"step {res['mean_step_s'] * 1e3:7.1f} ms"
-                  + (f", bubble {100 * res['bubble_rate']:.1f}%" if decoupled else ""), flush=True)
+            mem = f", peak reserved {merged['peak_reserved_gib_max']:.1f} GiB" if use_cuda else ""
+            odcb = (f", odc sync-wait bubble {100 * sum(r['odc_bubble_rate'] for r in per_rank) / world:.1f}%"
+                    if decoupled else "")
+            print(f"[train_imbalanced] {name:17s} {merged['tokens_per_s']:9.0f} tokens/s, "
+                  f"step {merged['mean_step_s'] * 1e3:8.1f} ms{mem}{odcb}; loss per step "
+                  + " ".join(f"{v:.4f}" for v in merged["loss_per_step"]), flush=True)
         del model, opt
-    ex, de = results["exact_lbmicro"], results["decoupled_lbmini"]
-    summary = {
-        "speedup_decoupled_lbmini_vs_exact_lbmicro": de["tokens_per_s"] / ex["tokens_per_s"],
-        # the workload's ideal: sum over LB-Micro steps of the slowest rank vs the slowest
-        # rank's LB-Mini total (cost model)
-        "ideal_speedup_predicted": ex["predicted_sync_time"] / de["predicted_decoupled_time"],
-    }
-    summary["fraction_of_ideal"] = ((summary["speedup_decoupled_lbmini_vs_exact_lbmicro"] - 1)
-                                    / max(summary["ideal_speedup_predicted"] - 1, 1e-9))
+        if use_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    summary = {}
+    timed_docs = docs[1:]
+    if "decoupled_lbmini" in results and "exact_lbmicro" in results:
+        timed_plans = {n: pl[1:] for n, pl in plans.items()}
+        fit, ideal = analyse(results, timed_plans, timed_docs, cost, world)
+        summary.update(microbatch_time_fit=fit, ideal_speedup=ideal)
+        base = results.get("reference_lbmicro", results["exact_lbmicro"])
+        for name, res in results.items():
+            summary[f"speedup_{name}_vs_{'reference' if 'reference_lbmicro' in results else 'exact'}_lbmicro"] = \
+                res["tokens_per_s"] / base["tokens_per_s"]
+        sp = results["decoupled_lbmini"]["tokens_per_s"] / base["tokens_per_s"]
+        summary["decoupled_speedup_over_ideal"] = sp / ideal
+        summary["decoupled_fraction_of_ideal_gain"] = (sp - 1) / (ideal - 1) if ideal > 1 + 1e-9 else None
+        if use_cuda and "reference_lbmicro" in results:
+            summary["peak_memory_ratio_decoupled_vs_reference"] = (
+                results["decoupled_lbmini"]["peak_reserved_gib_max"] / base["peak_reserved_gib_max"])
+        summary["bubble_rate"] = {n: r["bubble_rate"] for n, r in results.items()}
     if rank == 0:
-        print(f"[train_imbalanced] speedup {summary['speedup_decoupled_lbmini_vs_exact_lbmicro']:.2f}x "
-              f"(predicted ideal {summary['ideal_speedup_predicted']:.2f}x)", flush=True)
+        for k, v in summary.items():
+            if not isinstance(v, dict):
+                print(f"[train_imbalanced] {k}: {v:.3f}" if isinstance(v, float) else f"[train_imbalanced] {k}: {v}")
+        print(f"[train_imbalanced] bubble rate: "
+              + ", ".join(f"{n} {100 * b:.1f}%" for n, b in summary.get("bubble_rate", {}).items()), flush=True)
         try:
             commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                                     text=True, timeout=10).stdout.strip()
         except OSError:
             commit = ""
-        kind = os.environ.get("ODC_BENCH_KIND", f"cpu-x{world}")
+        default_kind = (f"{torch.cuda.get_device_name(device).lower().replace(' ', '-')}-x{world}"
+                        if use_cuda else f"cpu-x{world}")
+        kind = os.environ.get("ODC_BENCH_KIND", default_kind)
         date = datetime.date.today().strftime("%Y%m%d")
         out = Path(args.out_dir) / f"train_imbalanced_{kind}{'_balanced' if args.balanced else ''}_{date}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({
-            "benchmark": "train_imbalanced", "kind": kind, "world_size": world,
-            "device": "cpu", "torch": torch.__version__,
+            "benchmark": "train_imbalanced", "kind": kind, "world_size": world, "model": model_kind,
+            "model_shape": shape, "parameters": n_params, "device": str(device.type),
+            "gpu": torch.cuda.get_device_name(device) if use_cuda else None,
+            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
             "commit": os.environ.get("ODC_COMMIT") or commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": vars(args), "documents": docs, "results": results, "summary": summary}, indent=1))

@@ -188,7 +188,7 @@ def main(argv=None) -> int:
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     if args.decoupled:
-        if backend_kind != "odc":
+        if "odc" not in pg_backend:
             sys.exit("--decoupled needs the odc backend (--backend odc)")
         import torch_odc_backend as odc
 

@@ -116,7 +116,7 @@ stage_tests() {
         [ "$n" -gt 2 ] && sel=(-k "test_matches_nccl[$n or fsdp2 or decoupled")
         run_step "tests_${n}gpu" 220 "$log" \
             env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" \
-            $PY -m pytest -q tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py \
+            $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py \
             tests/test_gpu_decoupled.py "${sel[@]}"
         cp -f "$log" "$OUT/tests/results/gpu_tests_$(kind_for "$n")_${DATE}.log"
     done

@@ -35,6 +35,7 @@ fitted to the decoupled run's microbatches (which wait on no peer), then
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -275,15 +276,56 @@ def fit_time(samples, cost) -> tuple[float, float]:
     return float(a), float(s)
 
 
+def calibration_set(max_tokens: int) -> list[list[int]]:
+    """Microbatch compositions that vary both the token count and the document lengths."""
+    m = max_tokens
+    return [[m], [m // 2], [m // 2] * 2, [m // 4] * 4, [m // 16] * 16, [m // 4], [m // 8] * 2]
+
+
+def calibrate(model, args, device, cpu_group) -> balance.FittedCost:
+    """Fit ``a + b * tokens + c * sum(length^2)`` (seconds) to timed microbatches.
+
+    Every rank runs the same compositions at once (FSDP exact mode: ranks wait for each
+    other per layer, so equal work keeps the timings clean); the mean over ranks is used.
+    """
+    clock = Clock(device)
+    samples = []
+    compositions = calibration_set(args.max_tokens)
+    for k, lengths in enumerate([compositions[-1]] + compositions):  # the first is a warm-up
+        x, y = microbatch(10**6 + k, list(range(len(lengths))), lengths, args.vocab, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier(group=cpu_group)
+        a = clock.mark()
+        (model(x, y, lengths) * 0.0).backward()
+        b = clock.mark()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if k > 0:
+            samples.append((lengths, clock.since(a, b)))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [t for _, t in samples], group=cpu_group)
+    mean = [sum(ts[i] for ts in gathered) / len(gathered) for i in range(len(samples))]
+    fit = balance.FittedCost.fit([(lengths, t) for (lengths, _), t in zip(samples, mean)])
+    # noise can make a coefficient slightly negative; a cost model must not be
+    fit = balance.FittedCost(max(fit.a, 0.0), max(fit.b, 0.0), max(fit.c, 0.0))
+    return fit, [{"lengths": lengths, "seconds": t} for (lengths, _), t in zip(samples, mean)]
+
+
 def analyse(results, plans, docs, cost, world):
     """Fitted per-microbatch time, ideal speedup and bubble rates (in place)."""
     dec = results["decoupled_lbmini"]
     samples = [(d, e - s) for rank_lines in dec["timelines"] for line in rank_lines
                for what, s, e, _, d in line if what == "micro"]
-    a, s = fit_time(samples, cost)
-    fitted = lambda lengths: a + s * cost(lengths)  # noqa: E731
-    fit = {"a_s": a, "s_per_flop": s, "samples": len(samples),
-           "mean_abs_error_s": sum(abs(fitted(d) - t) for d, t in samples) / max(len(samples), 1)}
+    if isinstance(cost, balance.FittedCost):  # calibrated before the runs: already seconds
+        fitted = cost
+        fit = {"a_s": cost.a, "b_s_per_token": cost.b, "c_s_per_token_pair": cost.c, "source": "calibration"}
+    else:  # FLOPs: fit seconds = a + s * FLOPs to the decoupled run's microbatches
+        a, s = fit_time(samples, cost)
+        fitted = lambda lengths: a + s * cost(lengths)  # noqa: E731
+        fit = {"a_s": a, "s_per_flop": s, "source": "decoupled run"}
+    fit.update(samples=len(samples),
+               mean_abs_error_s=sum(abs(fitted(d) - t) for d, t in samples) / max(len(samples), 1))
     sync_time = sum(balance.plan_stats(p, d, fitted)["sync_time"]
                     for p, d in zip(plans["exact_lbmicro"], docs))
     decoupled_time = sum(balance.plan_stats(p, d, fitted)["decoupled_time"]
@@ -310,6 +352,9 @@ def main() -> int:
     p.add_argument("--loss-chunk", type=int, default=8192, help="tokens per LM-head chunk (GPU model)")
     p.add_argument("--no-activation-checkpointing", action="store_true")
     p.add_argument("--configs", default="reference_lbmicro,exact_lbmicro,decoupled_lbmini")
+    p.add_argument("--cost", choices=("fitted", "flops"), default="fitted",
+                   help="planning cost model: fitted to timed microbatches before the runs, or "
+                        "TransformerCost FLOPs")
     p.add_argument("--balanced", action="store_true", help="constant document lengths (control)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
@@ -371,6 +416,20 @@ def main() -> int:
                                                     mesh_dim_names=("reference_shard",))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if use_cuda else MixedPrecisionPolicy())
+
+    calibration = None
+    if args.cost == "fitted":
+        torch.manual_seed(args.seed)
+        with device:
+            model = build()
+        for layer in model.layers():
+            fully_shard(layer, mesh=meshes["odc"], mp_policy=mp)
+        fully_shard(model, mesh=meshes["odc"], mp_policy=mp)
+        cost, calibration = calibrate(model, args, device, cpu_group)
+        del model
+        if rank == 0:
+            print(f"[train_imbalanced] calibrated microbatch time: {cost.a * 1e3:.1f} ms + "
+                  f"{cost.b * 1e6:.3f} us/token + {cost.c * 1e12:.3f} ps/token pair", flush=True)
 
     docs = [make_documents(args.docs_per_step, args.seed * 100 + s, args.balanced, args.mean_len,
                            args.max_tokens) for s in range(args.steps)]
@@ -490,7 +549,9 @@ def main() -> int:
             "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
             "commit": os.environ.get("ODC_COMMIT") or commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "args": vars(args), "documents": docs, "results": results, "summary": summary}, indent=1))
+            "args": vars(args), "calibration": calibration,
+            "cost_model": (dataclasses.asdict(cost) if dataclasses.is_dataclass(cost) else str(cost)),
+            "documents": docs, "results": results, "summary": summary}, indent=1))
         print(f"[train_imbalanced] wrote {out}", flush=True)
     dist.destroy_process_group()
     return 0

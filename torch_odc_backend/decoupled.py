@@ -156,11 +156,6 @@ class DecoupledState:
                              f"{backend.name()}, not odc; create it on an odc process group "
                              "(e.g. init_process_group('cpu:gloo,cuda:odc'))")
         self.backend = backend
-        if self.device.type == "cuda":
-            import warnings
-
-            warnings.warn("odc decoupled mode on CUDA has not been validated on GPUs yet "
-                          "(tests/test_gpu_decoupled.py); CPU is tested", stacklevel=3)
         self.world = self.shard_pg.size()
         if self.world < 2:
             raise ValueError("odc.decouple needs at least 2 ranks in the shard dimension (with one, "

@@ -24,6 +24,7 @@ constexpr size_t kDefaultChunkCpu = 1 << 20;
 constexpr size_t kDefaultChunkCuda = 32 << 20;
 constexpr int kDefaultSlots = 4;
 constexpr int kDefaultReduceBlocks = 16;
+constexpr int kDefaultAccumulateBlocks = 16;
 constexpr size_t kDefaultSmallOpBytes = 1 << 20;
 
 // The Work of a one-sided collective. CPU work is complete when returned; CUDA
@@ -194,8 +195,10 @@ Channel& OdcBackend::channel(const c10::Device& device) {
       const int blocks = knobs_.reduce_blocks ? knobs_.reduce_blocks : kDefaultReduceBlocks;
       const size_t small = knobs_.small_op_bytes < 0 ? kDefaultSmallOpBytes
                                                      : static_cast<size_t>(knobs_.small_op_bytes);
-      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks, small,
-                                                        knobs_.stream_memops);
+      const int acc_blocks =
+          knobs_.accumulate_blocks ? knobs_.accumulate_blocks : kDefaultAccumulateBlocks;
+      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks, acc_blocks,
+                                                        small, knobs_.stream_memops);
       c10::cuda::CUDAGuard g(device.index());
       cudaStream_t s;
       int lo = 0, hi = 0;

@@ -28,6 +28,7 @@ struct Knobs {
   size_t chunk_bytes = 0;  // 0: per-device default
   int ring_slots = 0;
   int reduce_blocks = 0;
+  int accumulate_blocks = 0;  // decoupled put-accumulate kernel, per peer
   int64_t small_op_bytes = -1;  // -1: default; 0: no fused small-op kernel
   bool stream_memops = false;   // CUDA waits/signals as stream memory operations
 };

@@ -44,8 +44,10 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, std::string group_name,
                        py::object inner_factory, size_t chunk_bytes, int ring_slots,
-                       int reduce_blocks, int64_t small_op_bytes, bool stream_memops) {
-             odc::Knobs k{chunk_bytes, ring_slots, reduce_blocks, small_op_bytes, stream_memops};
+                       int reduce_blocks, int64_t small_op_bytes, bool stream_memops,
+                       int accumulate_blocks) {
+             odc::Knobs k{chunk_bytes, ring_slots, reduce_blocks, accumulate_blocks,
+                          small_op_bytes, stream_memops};
              return c10::make_intrusive<odc::OdcBackend>(store, rank, size, timeout,
                                                          std::move(group_name),
                                                          wrap_factory(std::move(inner_factory)), k);
@@ -53,7 +55,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("group_name"), py::arg("inner_factory"), py::arg("chunk_bytes") = 0,
            py::arg("ring_slots") = 0, py::arg("reduce_blocks") = 0,
-           py::arg("small_op_bytes") = -1, py::arg("stream_memops") = false)
+           py::arg("small_op_bytes") = -1, py::arg("stream_memops") = false,
+           py::arg("accumulate_blocks") = 0)
       .def("stats", &odc::OdcBackend::stats,
            "Counters of this group: one-sided ops and bytes, delegated ops.")
       .def("arena_create", &odc::OdcBackend::arena_create, py::arg("device"),

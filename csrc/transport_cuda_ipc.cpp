@@ -31,10 +31,11 @@ std::string host_name() {
 }  // namespace
 
 CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
-                                   size_t small_op_bytes, bool stream_memops)
+                                   int accumulate_blocks, size_t small_op_bytes, bool stream_memops)
     : a_(args),
       device_(device),
       reduce_blocks_(reduce_blocks),
+      accumulate_blocks_(accumulate_blocks),
       small_op_bytes_(small_op_bytes),
       bases_(args.world, nullptr) {
   if (a_.world > kMaxPeers) {
@@ -494,7 +495,7 @@ void CudaIpcTransport::run_on_copy_engines() {
       case kStepAccumulate:
         issue_prepare(s.lane);
         check(launch_accumulate(static_cast<float*>(s.dst), s.src, s.value, s.spec.dtype,
-                                reduce_blocks_, lane_stream(s.lane)),
+                                accumulate_blocks_, lane_stream(s.lane)),
               "launching the accumulation");
         break;
       case kStepZero:

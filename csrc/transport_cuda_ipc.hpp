@@ -33,7 +33,7 @@ namespace odc {
 
 class CudaIpcTransport final : public Transport {
  public:
-  CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
+  CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks, int accumulate_blocks,
                    size_t small_op_bytes, bool stream_memops);
   ~CudaIpcTransport() override;
 
@@ -115,6 +115,7 @@ class CudaIpcTransport final : public Transport {
   TransportArgs a_;
   int device_;
   int reduce_blocks_;
+  int accumulate_blocks_;  // blocks of each peer's put-accumulate kernel (decoupled mode)
   size_t small_op_bytes_;
   std::vector<Step> steps_;
   std::vector<const void*> ptrs_;

@@ -25,7 +25,7 @@ if [ "${ODC_SKIP_INSTALL:-0}" != 1 ]; then
         "$PY" -m pip install torch==2.13.0
     fi
     missing=()
-    for mod in setuptools wheel pybind11 ninja pytest numpy; do
+    for mod in setuptools wheel pybind11 ninja pytest numpy matplotlib; do
         "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
     done
     [ "${#missing[@]}" -eq 0 ] || "$PY" -m pip install "${missing[@]}"

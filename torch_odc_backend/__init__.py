@@ -58,6 +58,7 @@ def _create_backend(opts, pg_options):
         knobs.reduce_blocks,
         knobs.small_op_bytes,
         knobs.stream_memops,
+        knobs.accumulate_blocks,
     )
 
 

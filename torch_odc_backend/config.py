@@ -52,6 +52,7 @@ class Knobs:
     chunk_bytes: int  # ODC_CHUNK_BYTES: bytes per ring slot (1 MiB CPU, 32 MiB CUDA)
     ring_slots: int  # ODC_RING_SLOTS: ring depth per channel (4)
     reduce_blocks: int  # ODC_REDUCE_BLOCKS: CUDA blocks of the owner-side reduction (16)
+    accumulate_blocks: int  # ODC_ACCUMULATE_BLOCKS: CUDA blocks per peer of decoupled put-accumulate (16)
     small_op_bytes: int  # ODC_SMALL_OP_BYTES: largest copy of a fused one-kernel op (-1: default)
     stream_memops: bool  # ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory operations (0)
 
@@ -61,6 +62,7 @@ def knobs() -> Knobs:
         chunk_bytes=_bytes("ODC_CHUNK_BYTES"),
         ring_slots=_int("ODC_RING_SLOTS", 1, 1024),
         reduce_blocks=_int("ODC_REDUCE_BLOCKS", 1, 1024),
+        accumulate_blocks=_int("ODC_ACCUMULATE_BLOCKS", 1, 1024),
         small_op_bytes=_small_op_bytes(),
         stream_memops=_int("ODC_STREAM_MEMOPS", 0, 1) == 1,
     )

@@ -421,3 +421,18 @@ def test_sampler_with_dataloader():
         for micro, indices in zip(micros, expected):
             assert micro.numel() <= 100
             assert micro.unique().tolist() == sorted(indices)
+
+
+def test_microbatches_is_this_ranks_share_of_the_plan():
+    import torch_odc_backend as odc
+
+    rng = random.Random(21)
+    lengths = long_tailed_lengths(rng, 40)
+    for mode, planner in (("lb_mini", lb_mini), ("lb_micro", lb_micro)):
+        plan = planner(lengths, 4, MAX_TOKENS, LLAMA_8B)
+        shares = [odc.balance.microbatches(lengths, 4, r, MAX_TOKENS, LLAMA_8B, mode=mode) for r in range(4)]
+        assert shares == plan
+    with pytest.raises(ValueError, match="rank"):
+        odc.balance.microbatches(lengths, 4, 4, MAX_TOKENS, LLAMA_8B)
+    with pytest.raises(ValueError, match="mode"):
+        odc.balance.microbatches(lengths, 4, 0, MAX_TOKENS, LLAMA_8B, mode="greedy")

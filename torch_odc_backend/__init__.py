@@ -21,7 +21,7 @@ import torch.distributed as dist
 from . import config
 from ._C import OdcBackend, built_with_cuda
 
-__all__ = ["OdcBackend", "backend_stats", "built_with_cuda", "decouple", "metrics", "sync"]
+__all__ = ["OdcBackend", "backend_stats", "balance", "built_with_cuda", "decouple", "metrics", "sync"]
 
 BACKEND_NAME = "odc"
 
@@ -109,3 +109,4 @@ _require_eager_module_loading()
 _register()
 
 from .decoupled import decouple, metrics, sync  # noqa: E402  (decoupled mode)
+from . import balance  # noqa: E402  (odc.balance: LB-Micro / LB-Mini planning)

@@ -73,6 +73,7 @@ __all__ = [
     "lb_micro",
     "lb_mini",
     "plan_stats",
+    "microbatches",
     "BalancedBatchSampler",
     "MinibatchDataset",
 ]
@@ -586,6 +587,28 @@ def plan_stats(plan: Plan, lengths: Sequence[int], cost: CostModel) -> dict[str,
         "bubble_rate_sync": 1.0 - total / (world * sync_time) if sync_time > 0 else 0.0,
         "bubble_rate_decoupled": 1.0 - total / (world * decoupled_time) if decoupled_time > 0 else 0.0,
     }
+
+
+def microbatches(lengths: Sequence[int], world_size: int, rank: int, max_tokens: int,
+                 cost: CostModel, mode: str = "lb_mini") -> list[list[int]]:
+    """This rank's microbatches of one minibatch: lists of indices into ``lengths``.
+
+    ``lengths`` are the token counts of the whole minibatch (every rank passes the same
+    list, so every rank computes the same plan without communicating). ``mode="lb_mini"``
+    (decoupled mode: counts may differ per rank, zero included) or ``"lb_micro"`` (exact
+    mode / other backends: every rank gets the same count; an empty list is a padding
+    microbatch that must still run, e.g. as a zero-weight dummy)::
+
+        for micro in odc.balance.microbatches(lengths, world, rank, 65536, cost):
+            loss_fn(model(pack([samples[i] for i in micro]))).backward()
+        odc.sync(model)
+    """
+    if mode not in _PLANNERS:
+        raise ValueError(f"mode must be one of {sorted(_PLANNERS)}, got {mode!r}")
+    _check_positive_int(world_size, "world_size")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    return _PLANNERS[mode](lengths, world_size, max_tokens, cost)[rank]
 
 
 # --------------------------------------------------------------------------- data loading

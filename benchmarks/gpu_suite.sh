@@ -18,6 +18,9 @@
 #   train    benchmarks/train_imbalanced.py on all GPUs: a 2-layer smoke run, then the 1.5B
 #            long-tailed run and the balanced control (TRAIN_ARGS adds arguments to both),
 #            with timeline plots (benchmarks/plot_timeline.py)
+#   nvshmem  rebuild with ODC_WITH_NVSHMEM=1, then tests/test_nvshmem.py and
+#            benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs (the NVSHMEM runtime; the
+#            transport is to come). Run it last: it replaces the built extension.
 #   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, odc --decoupled (unless
 #            EXAMPLE_DECOUPLED=0), reference (NCCL)
 #
@@ -178,10 +181,21 @@ stage_train() {
     done
 }
 
+stage_nvshmem() {
+    if [ "$NGPU" -lt 2 ]; then skip_step nvshmem "only $NGPU GPUs"; return; fi
+    run_step nvshmem_build 300 "$OUT/nvshmem_build.log" \
+        env ODC_WITH_NVSHMEM=1 MAX_JOBS=${MAX_JOBS:-16} $PY setup.py build_ext --inplace
+    run_step nvshmem_tests 120 "$OUT/nvshmem_tests.log" \
+        env CUDA_VISIBLE_DEVICES=0,1 $PY -m pytest -q -rA tests/test_nvshmem.py
+    run_step nvshmem_probe 120 "$OUT/nvshmem_probe.log" \
+        env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node=2 benchmarks/nvshmem_probe.py \
+            --torch-symm-mem --out-dir "$OUT/benchmarks/results"
+}
+
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        build|tests|bench|example|train) "stage_$stage" ;;
-        *) echo "unknown stage '$stage' (choose from: build tests bench example train)"; skip_step "$stage" unknown; FAILED=1 ;;
+        build|tests|bench|example|train|nvshmem) "stage_$stage" ;;
+        *) echo "unknown stage '$stage' (choose from: build tests bench example train nvshmem)"; skip_step "$stage" unknown; FAILED=1 ;;
     esac
 done
 

@@ -4,6 +4,9 @@
 #include <torch/extension.h>
 
 #include "backend.hpp"
+#ifdef ODC_WITH_NVSHMEM
+#include "nvshmem_runtime.hpp"
+#endif
 
 namespace py = pybind11;
 
@@ -88,5 +91,49 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_cuda") = true;
 #else
   m.attr("built_with_cuda") = false;
+#endif
+
+#ifdef ODC_WITH_NVSHMEM
+  m.attr("built_with_nvshmem") = true;
+  // NVSHMEM runtime (torch_odc_backend.nvshmem wraps these); the transport is to come.
+  m.def("nvshmem_unique_id", [] {
+    const auto id = odc::nvshmem::unique_id();
+    return py::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+  });
+  m.def(
+      "nvshmem_init",
+      [](const py::bytes& id, int global_rank, int world, int device, size_t heap_bytes) {
+        const std::string s = id;
+        const std::vector<uint8_t> v(s.begin(), s.end());
+        py::gil_scoped_release nogil;
+        return odc::nvshmem::init(v, global_rank, world, device, heap_bytes);
+      },
+      py::arg("unique_id"), py::arg("global_rank"), py::arg("world"), py::arg("device"),
+      py::arg("heap_bytes") = 0);
+  m.def("nvshmem_status", [] {
+    const auto s = odc::nvshmem::status();
+    py::dict d;
+    d["init_status"] = s.init_status;
+    d["my_pe"] = s.my_pe;
+    d["n_pes"] = s.n_pes;
+    return d;
+  });
+  m.def(
+      "nvshmem_ring_selftest",
+      [](size_t bytes, uintptr_t stream) {
+        odc::nvshmem::SelfTest r;
+        {
+          py::gil_scoped_release nogil;
+          r = odc::nvshmem::ring_selftest(bytes, reinterpret_cast<void*>(stream));
+        }
+        py::dict d;
+        d["mismatched_bytes"] = r.mismatched_bytes;
+        d["next_pe_is_p2p"] = r.next_pe_is_p2p;
+        d["put_signal_wait_us"] = r.put_signal_wait_us;
+        return d;
+      },
+      py::arg("bytes"), py::arg("stream"));
+#else
+  m.attr("built_with_nvshmem") = false;
 #endif
 }

@@ -1,0 +1,127 @@
+#include "nvshmem_runtime.hpp"
+
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+#include <nvshmem_host.h>
+#include <host/nvshmemx_coll_api.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "text.hpp"
+
+namespace odc::nvshmem {
+namespace {
+
+std::mutex init_mu;  // init() may be reached from several groups' creation
+
+void check_cuda(cudaError_t e, const char* what) {
+  ODC_CHECK(e == cudaSuccess, Error, "odc nvshmem: ", what, " failed: ", cudaGetErrorString(e));
+}
+
+void set_default_env(const char* name, const std::string& value) {
+  if (std::getenv(name) == nullptr) setenv(name, value.c_str(), 0);
+}
+
+// A symmetric allocation (collective: every PE, same order, same size) freed on scope exit.
+struct Symmetric {
+  explicit Symmetric(size_t bytes) : p(nvshmem_align(256, bytes)) {
+    ODC_CHECK(p != nullptr, Error, "odc nvshmem: the symmetric heap cannot hold ", bytes,
+              " more bytes (raise NVSHMEM_SYMMETRIC_SIZE before the first initialisation)");
+  }
+  ~Symmetric() { nvshmem_free(p); }
+  Symmetric(const Symmetric&) = delete;
+  Symmetric& operator=(const Symmetric&) = delete;
+  void* p;
+};
+
+}  // namespace
+
+std::vector<uint8_t> unique_id() {
+  nvshmemx_uniqueid_t id;
+  std::memset(&id, 0, sizeof(id));
+  ODC_CHECK(nvshmemx_get_uniqueid(&id) == 0, Error, "odc nvshmem: nvshmemx_get_uniqueid failed");
+  const auto* b = reinterpret_cast<const uint8_t*>(&id);
+  return std::vector<uint8_t>(b, b + sizeof(id));
+}
+
+bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device, size_t heap_bytes) {
+  std::lock_guard<std::mutex> lock(init_mu);
+  check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  bool fresh = false;
+  if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED) {
+    ODC_CHECK(id.size() == sizeof(nvshmemx_uniqueid_t), ValueError, "odc nvshmem: a unique id has ",
+              sizeof(nvshmemx_uniqueid_t), " bytes, got ", id.size());
+    ODC_CHECK(world > 0 && global_rank >= 0 && global_rank < world, ValueError,
+              "odc nvshmem: rank ", global_rank, " is not in a world of ", world);
+    // NVSHMEM reads its options once, here; keep the user's settings
+    if (heap_bytes > 0) set_default_env("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes));
+    set_default_env("NVSHMEM_DISABLE_NVLS", "1");
+    nvshmemx_uniqueid_t uid;
+    std::memcpy(&uid, id.data(), sizeof(uid));
+    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+    ODC_CHECK(nvshmemx_set_attr_uniqueid_args(global_rank, world, &uid, &attr) == 0, Error,
+              "odc nvshmem: nvshmemx_set_attr_uniqueid_args failed");
+    ODC_CHECK(nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) == 0, Error,
+              "odc nvshmem: initialisation failed (rank ", global_rank, " of ", world, ")");
+    fresh = true;
+  }
+  // Ours or PyTorch's: the transport addresses peers as PE = global rank.
+  ODC_CHECK(nvshmem_my_pe() == global_rank && nvshmem_n_pes() == world, Error,
+            "odc nvshmem: NVSHMEM in this process has PE ", nvshmem_my_pe(), " of ", nvshmem_n_pes(),
+            ", expected ", global_rank, " of ", world,
+            " (it was initialised over another set of ranks)");
+  return fresh;
+}
+
+Status status() {
+  Status s;
+  s.init_status = nvshmemx_init_status();
+  if (s.init_status >= NVSHMEM_STATUS_IS_INITIALIZED) {
+    s.my_pe = nvshmem_my_pe();
+    s.n_pes = nvshmem_n_pes();
+  }
+  return s;
+}
+
+SelfTest ring_selftest(size_t bytes, void* stream_ptr) {
+  ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, Error,
+            "odc nvshmem: not initialised (call torch_odc_backend.nvshmem.init() first)");
+  ODC_CHECK(bytes > 0, ValueError, "odc nvshmem: self-test needs bytes > 0");
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const int me = nvshmem_my_pe(), n = nvshmem_n_pes();
+  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  Symmetric src(bytes), dst(bytes), sig(sizeof(uint64_t));
+  check_cuda(cudaMemsetAsync(src.p, me + 1, bytes, stream), "cudaMemsetAsync");
+  check_cuda(cudaMemsetAsync(dst.p, 0, bytes, stream), "cudaMemsetAsync");
+  check_cuda(cudaMemsetAsync(sig.p, 0, sizeof(uint64_t), stream), "cudaMemsetAsync");
+  nvshmemx_barrier_all_on_stream(stream);  // every PE's buffers are zeroed before any put
+
+  SelfTest r;
+  r.next_pe_is_p2p = nvshmem_ptr(dst.p, next) != nullptr;
+  cudaEvent_t t0, t1;
+  check_cuda(cudaEventCreate(&t0), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&t1), "cudaEventCreate");
+  check_cuda(cudaEventRecord(t0, stream), "cudaEventRecord");
+  nvshmemx_putmem_signal_on_stream(dst.p, src.p, bytes, static_cast<uint64_t*>(sig.p), 1,
+                                   NVSHMEM_SIGNAL_SET, next, stream);
+  nvshmemx_signal_wait_until_on_stream(static_cast<uint64_t*>(sig.p), NVSHMEM_CMP_GE, 1, stream);
+  check_cuda(cudaEventRecord(t1, stream), "cudaEventRecord");
+
+  std::vector<uint8_t> got(bytes);
+  check_cuda(cudaMemcpyAsync(got.data(), dst.p, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  float ms = 0;
+  check_cuda(cudaEventElapsedTime(&ms, t0, t1), "cudaEventElapsedTime");
+  r.put_signal_wait_us = 1e3 * ms;
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  const auto expect = static_cast<uint8_t>(prev + 1);
+  for (uint8_t b : got) r.mismatched_bytes += b != expect;
+  nvshmemx_barrier_all_on_stream(stream);  // no PE frees while a peer still puts into it
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return r;
+}
+
+}  // namespace odc::nvshmem

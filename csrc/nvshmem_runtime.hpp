@@ -1,0 +1,48 @@
+// NVSHMEM runtime for the NVSHMEM transport (peers on other hosts; in progress).
+//
+// Built only with ODC_WITH_NVSHMEM (setup.py: ODC_WITH_NVSHMEM=1). Host API only: the
+// extension links libnvshmem_host and no NVSHMEM device code, so initialisation goes
+// through nvshmemx_hostlib_init_attr (docs/nvshmem_transport.md, section 1).
+//
+// What exists so far: one initialisation per process over the default group's world
+// (PE = global rank, as PyTorch's own NVSHMEM use assumes), and a self-test of the
+// on-stream operations the transport will use (put-with-signal to the next PE, a
+// stream wait on the local signal). The transport itself is not written yet.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace odc::nvshmem {
+
+// A fresh unique id (call on global rank 0; broadcast the bytes to every rank).
+std::vector<uint8_t> unique_id();
+
+// Initialise once per process with rank 0's id. Sets NVSHMEM_SYMMETRIC_SIZE to
+// `heap_bytes` when that is > 0 and the variable is unset (NVSHMEM reads its options
+// once, at initialisation), and NVSHMEM_DISABLE_NVLS=1 when unset. If NVSHMEM is
+// already initialised in this process (e.g. by PyTorch's symmetric memory), checks that
+// its PE numbering matches (my PE == global_rank, PEs == world) and joins it.
+// Returns false when it was already initialised.
+bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device, size_t heap_bytes);
+
+struct Status {
+  int init_status = 0;  // nvshmemx_init_status(): 0 not initialised ... >= 2 initialised
+  int my_pe = -1;
+  int n_pes = 0;
+};
+Status status();
+
+struct SelfTest {
+  int64_t mismatched_bytes = 0;  // bytes of the received block that differ from the sender's
+  bool next_pe_is_p2p = false;   // nvshmem_ptr() gives a load/store pointer to the next PE
+  double put_signal_wait_us = 0;  // device time of put-with-signal + the signal wait
+};
+// Collective over every PE: each PE puts `bytes` (its PE number + 1 in every byte) into
+// the next PE's symmetric buffer with put-with-signal, waits on the stream for its own
+// signal, and checks what it received. `stream` is a cudaStream_t (0: legacy default).
+SelfTest ring_selftest(size_t bytes, void* stream);
+
+}  // namespace odc::nvshmem

@@ -1,0 +1,65 @@
+"""NVSHMEM runtime (groundwork for the NVSHMEM transport; the transport is not written yet).
+
+    import torch_odc_backend.nvshmem as odc_nvshmem
+    odc_nvshmem.init()                  # collective over the default group, once per process
+    odc_nvshmem.ring_selftest(1 << 20)  # put-with-signal to the next PE, checked
+
+Available when the extension was built with ``ODC_WITH_NVSHMEM=1`` (CUDA builds; NVSHMEM
+from ``$NVSHMEM_HOME`` or the ``nvidia-nvshmem-cu13`` wheel). The NVSHMEM world is the
+default process group and PE = global rank, the layout PyTorch's own NVSHMEM use assumes;
+rank 0's unique id reaches the others through ``broadcast_object_list`` on the default
+group. Facts, plan and open questions: docs/nvshmem_transport.md.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["available", "init", "status", "ring_selftest"]
+
+
+def available() -> bool:
+    """Whether this build of the extension has the NVSHMEM runtime."""
+    return bool(getattr(_C, "built_with_nvshmem", False))
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError("torch_odc_backend was built without NVSHMEM: rebuild a CUDA build with "
+                           "ODC_WITH_NVSHMEM=1 (NVSHMEM from $NVSHMEM_HOME or the nvidia-nvshmem-cu13 "
+                           "wheel)")
+
+
+def init(heap_bytes: int = 0) -> bool:
+    """Initialise NVSHMEM over the default group (collective; every rank calls it).
+
+    ``heap_bytes`` > 0 sets ``NVSHMEM_SYMMETRIC_SIZE`` unless the environment already does.
+    Returns True when this call initialised NVSHMEM, False when it was already up in this
+    process (ours or PyTorch's; the PE numbering is checked either way).
+    """
+    _require()
+    if not dist.is_initialized():
+        raise RuntimeError("torch_odc_backend.nvshmem.init: call dist.init_process_group first")
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch_odc_backend.nvshmem.init: NVSHMEM needs CUDA GPUs")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box = [_C.nvshmem_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return _C.nvshmem_init(box[0], rank, world, torch.cuda.current_device(), int(heap_bytes))
+
+
+def status() -> dict:
+    """NVSHMEM's state in this process: init_status (>= 2: initialised), my_pe, n_pes."""
+    _require()
+    return dict(_C.nvshmem_status())
+
+
+def ring_selftest(nbytes: int, stream: torch.cuda.Stream | None = None) -> dict:
+    """Collective: each PE puts ``nbytes`` into the next PE with put-with-signal and waits on
+    the stream for its own signal; returns mismatched bytes, whether the next PE is
+    reachable peer-to-peer, and the device time of put + wait in microseconds."""
+    _require()
+    stream = stream or torch.cuda.current_stream()
+    return dict(_C.nvshmem_ring_selftest(int(nbytes), stream.cuda_stream))

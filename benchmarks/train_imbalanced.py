@@ -351,7 +351,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=None, help="token cap per microbatch")
     p.add_argument("--loss-chunk", type=int, default=8192, help="tokens per LM-head chunk (GPU model)")
     p.add_argument("--no-activation-checkpointing", action="store_true")
-    p.add_argument("--configs", default="reference_lbmicro,exact_lbmicro,decoupled_lbmini")
+    p.add_argument("--configs", default="reference_lbmicro,exact_lbmicro,decoupled_lbmini",
+                   help="comma-separated, from reference_lbmicro, exact_lbmicro, decoupled_lbmini, "
+                        "decoupled_local_lbmini (odc.decouple(..., accumulate='local'))")
     p.add_argument("--cost", choices=("fitted", "flops"), default="fitted",
                    help="planning cost model: fitted to timed microbatches before the runs, or "
                         "TransformerCost FLOPs")
@@ -464,7 +466,7 @@ def main() -> int:
             raise RuntimeError(f"{name}: the parameters' mesh moves {device.type} tensors with {moved_by}")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if decoupled:
-            odc.decouple(model, opt)
+            odc.decouple(model, opt, accumulate="local" if "_local" in name else "owner")
         plan = plans[name]
         train_steps(model, opt, plan[:1], docs[:1], args, decoupled, device, cpu_group)  # warm-up
         before = odc.metrics(model) if decoupled else None
@@ -500,7 +502,7 @@ def main() -> int:
             mem = f", peak reserved {merged['peak_reserved_gib_max']:.1f} GiB" if use_cuda else ""
             odcb = (f", odc sync-wait bubble {100 * sum(r['odc_bubble_rate'] for r in per_rank) / world:.1f}%"
                     if decoupled else "")
-            print(f"[train_imbalanced] {name:17s} {merged['tokens_per_s']:9.0f} tokens/s, "
+            print(f"[train_imbalanced] {name:22s} {merged['tokens_per_s']:9.0f} tokens/s, "
                   f"step {merged['mean_step_s'] * 1e3:8.1f} ms{mem}{odcb}; loss per step "
                   + " ".join(f"{v:.4f}" for v in merged["loss_per_step"]), flush=True)
         del model, opt

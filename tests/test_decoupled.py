@@ -20,8 +20,10 @@ from dist_utils import run_distributed, run_once
 STEPS = 3
 CONFIGS = {
     2: {"w2": dict(mesh=(2,)), "w2_bf16_params": dict(mesh=(2,), bf16=True),
-        "w2_frozen_params": dict(mesh=(2,), frozen=True)},
-    4: {"w4": dict(mesh=(4,)), "hsdp_2x2": dict(mesh=(2, 2), dims=("replicate", "shard"))},
+        "w2_frozen_params": dict(mesh=(2,), frozen=True),
+        "w2_local_accumulate": dict(mesh=(2,), bf16=True, accumulate="local")},
+    4: {"w4": dict(mesh=(4,)), "hsdp_2x2": dict(mesh=(2, 2), dims=("replicate", "shard")),
+        "hsdp_2x2_local_accumulate": dict(mesh=(2, 2), dims=("replicate", "shard"), accumulate="local")},
 }
 # fp32 everywhere but the summation order of the gradient reduction (atomic adds vs rank
 # order), so only reassociation differences; bf16 parameters move the same way up to
@@ -53,7 +55,8 @@ def _microbatch_loss(model, mb: int, step: int, device="cpu"):
 FROZEN = ("blocks.0.proj.bias", "blocks.1.fc1.weight")  # e.g. adapters-only fine-tuning
 
 
-def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool, device="cpu", frozen=False):
+def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool, device="cpu", frozen=False,
+           accumulate="owner"):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import torch_odc_backend as odc
@@ -64,7 +67,7 @@ def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool, device="cpu", fro
         for name, p in model.named_parameters():
             p.requires_grad_(name not in FROZEN)
     if decoupled:
-        odc.decouple(model, opt)
+        odc.decouple(model, opt, accumulate=accumulate)
     dp, rank = dist.get_world_size(), dist.get_rank()
     rng = random.Random(rank)
     grads = []
@@ -111,6 +114,8 @@ def _misuse(mesh):
     from torch.distributed.device_mesh import init_device_mesh
     flat, flat_opt = fm.build(init_device_mesh("cpu", (2, 1), mesh_dim_names=("r", "s")), seed=5)
     expect("shard_size_1", lambda: odc.decouple(flat, flat_opt))
+    other, other_opt = fm.build(mesh, seed=5)
+    expect("bad_accumulate_mode", lambda: odc.decouple(other, other_opt, accumulate="remote"))
     # the profiler shows the one-sided operations and the sync
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _microbatch_loss(model, 2, 1).backward()
@@ -150,7 +155,8 @@ def run_configs(configs, device="cpu"):
         try:
             kw = dict(bf16=cfg.get("bf16", False), device=device, frozen=cfg.get("frozen", False))
             out[name] = {"exact": _train(meshes[key], decoupled=False, delays=False, **kw),
-                         "decoupled": _train(meshes[key], decoupled=True, delays=True, **kw)}
+                         "decoupled": _train(meshes[key], decoupled=True, delays=True,
+                                             accumulate=cfg.get("accumulate", "owner"), **kw)}
         except Exception:  # report per configuration; the others still run
             out[name] = {"error": traceback.format_exc()}
     return out, meshes
@@ -202,6 +208,7 @@ def test_decoupled_equals_exact(run, world, name):
     ("forward_after_sync", "after odc.sync"),
     ("decouple_twice", "already"),
     ("shard_size_1", "at least 2 ranks"),
+    ("bad_accumulate_mode", "accumulate must be 'owner' or 'local'"),
     ("stale_published_shards", "changed outside optimizer.step()"),
     ("unusable_after_error", "unusable after an earlier error"),
 ])

@@ -13,7 +13,8 @@ from test_decoupled import STEPS, TOL, run_configs
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")
 
 N = torch.cuda.device_count()
-CONFIGS = {"fp32_1d": dict(mesh=(N,)), "bf16_1d": dict(mesh=(N,), bf16=True)}
+CONFIGS = {"fp32_1d": dict(mesh=(N,)), "bf16_1d": dict(mesh=(N,), bf16=True),
+           "bf16_1d_local_accumulate": dict(mesh=(N,), bf16=True, accumulate="local")}
 if N >= 4 and N % 2 == 0:
     CONFIGS["bf16_hsdp"] = dict(mesh=(2, N // 2), dims=("replicate", "shard"), bf16=True)
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -15,6 +15,12 @@ has added everything, turns each accumulator into this rank's ``.grad`` (divided
 divides, all-reduced once over the HSDP replicate dimension) and the optimizer step's
 post-hook publishes the new shards.
 
+``accumulate="local"`` trades memory for speed: each rank adds its reduce-scatter inputs
+into a local fp32 buffer (one unsharded gradient, +4 bytes per parameter) and ``sync``
+reduce-scatters it once over the odc group, instead of atomic adds into the owners'
+accumulators during backward (the default, ``"owner"``, whose atomics over NVLink can
+outlast short backward layers: README, "End-to-end").
+
 Only public FSDP2 extension points are used: ``set_custom_all_gather`` /
 ``set_custom_reduce_scatter``, ``set_requires_all_reduce``,
 ``set_force_sum_reduction_for_comms``, optimizer step hooks, ``DTensor.from_local``. The
@@ -68,6 +74,7 @@ class _Group:
         self.trainable = [p.requires_grad for p in policy.params]
         self.grad_numel = sum(n for n, t in zip(self.padded, self.trainable) if t)
         self.versions = None  # the local shards' version counters when last published
+        self.local_acc = None  # accumulate="local": this rank's summed reduce-scatter inputs (fp32)
 
     def refresh(self) -> None:
         self.params = _fsdp_adapter.group_policy(self.module).params
@@ -130,8 +137,16 @@ class _ReduceScatter:
             st._fail("the reduce-scatter input does not cover every trainable parameter of "
                      f"group {self.group.index} (a parameter without gradient?); every trainable "
                      "parameter must receive a gradient in each backward")
-        with _range("odc.put_accumulate"), st._fail_on_error():
-            st.backend.arena_accumulate(st.arena, self.group.index, input_tensor.contiguous())
+        if st.accumulate == "local":
+            g = self.group
+            with _range("odc.local_accumulate"), st._fail_on_error():
+                if g.local_acc is None:
+                    g.local_acc = torch.zeros(st.world * g.grad_numel, dtype=torch.float32,
+                                              device=input_tensor.device)
+                g.local_acc.add_(input_tensor.reshape(-1))
+        else:
+            with _range("odc.put_accumulate"), st._fail_on_error():
+                st.backend.arena_accumulate(st.arena, self.group.index, input_tensor.contiguous())
         st.contributions += 1
         return None
 
@@ -139,7 +154,11 @@ class _ReduceScatter:
 class DecoupledState:
     """What ``decouple`` set up for one model; ``sync`` and the optimizer hooks drive it."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 accumulate: str = "owner"):
+        if accumulate not in ("owner", "local"):
+            raise ValueError(f"odc.decouple: accumulate must be 'owner' or 'local', got {accumulate!r}")
+        self.accumulate = accumulate
         modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if not modules:
             raise ValueError("odc.decouple: the model has no fully_shard modules")
@@ -176,7 +195,8 @@ class DecoupledState:
         self.arena = backend.arena_create(
             self.device, [g.numel for g in self.groups],
             [torch.empty(0, dtype=g.param_dtype).element_size() for g in self.groups],
-            [g.grad_numel for g in self.groups])
+            # accumulate="local" needs no accumulators in the arena
+            [g.grad_numel if accumulate == "owner" else 0 for g in self.groups])
         for g in self.groups:
             g.module.set_custom_all_gather(_AllGather(g))
             g.module.set_custom_reduce_scatter(_ReduceScatter(g))
@@ -263,7 +283,15 @@ class DecoupledState:
                  self.epoch, busy, wait, 100 * self.last["bubble_rate"])
         for g in self.groups:
             acc = torch.empty(g.grad_numel, dtype=torch.float32, device=self.device)
-            self.backend.arena_take(self.arena, g.index, acc)
+            if self.accumulate == "owner":
+                self.backend.arena_take(self.arena, g.index, acc)
+            elif g.local_acc is None:  # no backward on this rank in this minibatch
+                acc.zero_()
+                dist.reduce_scatter_tensor(acc, torch.zeros(self.world * g.grad_numel, dtype=torch.float32,
+                                                            device=self.device), group=self.shard_pg)
+            else:
+                dist.reduce_scatter_tensor(acc, g.local_acc, group=self.shard_pg)
+                g.local_acc.zero_()
             if self.replicate_pg is not None and self.replicate_pg.size() > 1:
                 dist.all_reduce(acc, group=self.replicate_pg)
             acc.div_(self.dp_size)  # FSDP2's default: the mean over the data-parallel ranks
@@ -283,12 +311,17 @@ class DecoupledState:
         self.contributions = 0
 
 
-def decouple(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> DecoupledState:
+def decouple(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             accumulate: str = "owner") -> DecoupledState:
     """Switch a fully_shard model on an odc mesh to decoupled mode (collective: call it on
-    every rank, after fully_shard and after creating the optimizer)."""
+    every rank, after fully_shard and after creating the optimizer).
+
+    ``accumulate``: ``"owner"`` (default) adds gradient rows into the owners' accumulators
+    during backward; ``"local"`` sums them in a local fp32 buffer (+4 bytes per parameter)
+    and reduce-scatters once in ``sync``."""
     if model in _STATES:
         raise RuntimeError("odc.decouple: this model is in decoupled mode already")
-    state = DecoupledState(model, optimizer)
+    state = DecoupledState(model, optimizer, accumulate)
     _STATES[model] = state
     return state
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite for the lent GPU machine (4x H200, no package registry).
 #
-#   bash benchmarks/gpu_suite.sh                 # all stages: build tests bench example
+#   bash benchmarks/gpu_suite.sh                 # stages build tests bench example
 #   bash benchmarks/gpu_suite.sh build bench     # only those stages, in the order given
 #   OUT=/some/dir bash benchmarks/gpu_suite.sh   # logs and results go to $OUT (default ./out)
 #
@@ -55,7 +55,7 @@ GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head 
 GPU_SLUG=$(printf '%s' "${GPU_NAME:-unknown}" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 kind_for() { echo "${GPU_SLUG}-x$1"; }   # what the run measured: <gpu>-x<gpus used>
 
-if [ "$#" -gt 0 ]; then STAGES=("$@"); else STAGES=(build tests bench example train); fi
+if [ "$#" -gt 0 ]; then STAGES=("$@"); else STAGES=(build tests bench example); fi  # train, nvshmem: ask for them
 
 declare -a SUM_NAME SUM_STATUS SUM_SECS SUM_LOG
 FAILED=0

@@ -37,7 +37,7 @@ def draw(result: dict, out: Path, steps: int | None) -> None:
         offset = 0.0
         for k, step_time in enumerate(step_times):
             for rank in range(world):
-                for what, start, end, tokens, _docs in res["timelines"][rank][k]:
+                for what, start, end, tokens, *_docs in res["timelines"][rank][k]:
                     if what == "micro":
                         colour = plt.cm.Blues(0.35 + 0.6 * min(1.0, tokens / max_tokens))
                     else:

@@ -27,10 +27,12 @@ Reported per configuration (rank 0 writes ``benchmarks/results/train_imbalanced_
 tokens/s, step times (the slowest rank's), peak memory, the bubble rate (idle share of the
 ranks' time, from the measured per-microbatch cost fit), odc's own sync-wait bubble in
 decoupled mode, and per-rank timelines (``benchmarks/plot_timeline.py`` draws them). The
-ideal speedup comes from measured microbatch times: ``t = a + s * flops(microbatch)`` is
-fitted to the decoupled run's microbatches (which wait on no peer), then
-``sum over minibatches of (sum over LB-Micro rounds of the slowest rank)`` is compared with
-``sum over minibatches of the slowest rank's LB-Mini total``.
+ideal speedup comes from measured microbatch times: ``--cost fitted`` (default) times seven
+microbatch shapes before the runs and fits ``a + b * tokens + c * sum(length^2)``, which also
+plans; ``--cost flops`` plans with FLOPs and fits ``t = a + s * flops`` to the decoupled run's
+microbatches (which wait on no peer). Then ``sum over minibatches of (sum over LB-Micro rounds
+of the slowest rank)``, an LB-Micro padding microbatch priced as the 8-token dummy it runs, is
+compared with ``sum over minibatches of the slowest rank's LB-Mini total``.
 """
 from __future__ import annotations
 
@@ -219,7 +221,8 @@ class Clock:
 
 def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, first_step=0):
     """One optimizer step per minibatch. Returns this rank's step times, timelines (per
-    step, a list of (what, start_s, end_s, tokens, doc lengths) from the step's start) and
+    step, a list of (what, start_s, end_s, tokens, doc lengths, doc indices) from the step's
+    start) and
     its share of each minibatch's loss."""
     rank = dist.get_rank()
     clock = Clock(device)
@@ -242,7 +245,7 @@ def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, fir
             loss.backward()
             loss_sum += loss.detach()
             marks.append(("micro" if mb else "dummy", m0, clock.mark(), sum(docs_mb) if mb else 0,
-                          docs_mb if mb else []))
+                          docs_mb if mb else [], list(mb)))
         s0 = clock.mark()
         if decoupled:
             odc.sync(model)
@@ -254,9 +257,9 @@ def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, fir
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        line = [(what, clock.since(start, a), clock.since(start, b), n, d) for what, a, b, n, d in marks]
-        line.append(("sync", clock.since(start, s0), clock.since(start, s1), 0, []))
-        line.append(("optimizer", clock.since(start, s1), clock.since(start, s2), 0, []))
+        line = [(what, clock.since(start, a), clock.since(start, b), n, d, ix) for what, a, b, n, d, ix in marks]
+        line.append(("sync", clock.since(start, s0), clock.since(start, s1), 0, [], []))
+        line.append(("optimizer", clock.since(start, s1), clock.since(start, s2), 0, [], []))
         timelines.append(line)
         losses.append(loss_sum.item())  # this rank's share of the minibatch's mean token loss
     return times, timelines, losses
@@ -282,7 +285,7 @@ def calibration_set(max_tokens: int) -> list[list[int]]:
     return [[m], [m // 2], [m // 2] * 2, [m // 4] * 4, [m // 16] * 16, [m // 4], [m // 8] * 2]
 
 
-def calibrate(model, args, device, cpu_group) -> balance.FittedCost:
+def calibrate(model, args, device, cpu_group) -> tuple[balance.FittedCost, list[dict]]:
     """Fit ``a + b * tokens + c * sum(length^2)`` (seconds) to timed microbatches.
 
     Every rank runs the same compositions at once (FSDP exact mode: ranks wait for each
@@ -316,7 +319,7 @@ def analyse(results, plans, docs, cost, world):
     """Fitted per-microbatch time, ideal speedup and bubble rates (in place)."""
     dec = results["decoupled_lbmini"]
     samples = [(d, e - s) for rank_lines in dec["timelines"] for line in rank_lines
-               for what, s, e, _, d in line if what == "micro"]
+               for what, s, e, _, d, _ix in line if what == "micro"]
     if isinstance(cost, balance.FittedCost):  # calibrated before the runs: already seconds
         fitted = cost
         fit = {"a_s": cost.a, "b_s_per_token": cost.b, "c_s_per_token_pair": cost.c, "source": "calibration"}
@@ -326,7 +329,9 @@ def analyse(results, plans, docs, cost, world):
         fit = {"a_s": a, "s_per_flop": s, "source": "decoupled run"}
     fit.update(samples=len(samples),
                mean_abs_error_s=sum(abs(fitted(d) - t) for d, t in samples) / max(len(samples), 1))
-    sync_time = sum(balance.plan_stats(p, d, fitted)["sync_time"]
+    # plan_stats prices an empty (padding) microbatch at 0; the run executes an 8-token dummy
+    sync_time = sum(balance.plan_stats([[mb or [len(d)] for mb in rank_plan] for rank_plan in p],
+                                       d + [8], fitted)["sync_time"]
                     for p, d in zip(plans["exact_lbmicro"], docs))
     decoupled_time = sum(balance.plan_stats(p, d, fitted)["decoupled_time"]
                          for p, d in zip(plans["decoupled_lbmini"], docs))
@@ -520,12 +525,14 @@ def main() -> int:
         for name, res in results.items():
             summary[f"speedup_{name}_vs_{'reference' if 'reference_lbmicro' in results else 'exact'}_lbmicro"] = \
                 res["tokens_per_s"] / base["tokens_per_s"]
-        sp = results["decoupled_lbmini"]["tokens_per_s"] / base["tokens_per_s"]
-        summary["decoupled_speedup_over_ideal"] = sp / ideal
-        summary["decoupled_fraction_of_ideal_gain"] = (sp - 1) / (ideal - 1) if ideal > 1 + 1e-9 else None
-        if use_cuda and "reference_lbmicro" in results:
-            summary["peak_memory_ratio_decoupled_vs_reference"] = (
-                results["decoupled_lbmini"]["peak_reserved_gib_max"] / base["peak_reserved_gib_max"])
+        for name in (n for n in results if n.startswith("decoupled")):
+            tag = name[:-len("_lbmini")]  # decoupled, decoupled_local
+            sp = results[name]["tokens_per_s"] / base["tokens_per_s"]
+            summary[f"{tag}_speedup_over_ideal"] = sp / ideal
+            summary[f"{tag}_fraction_of_ideal_gain"] = (sp - 1) / (ideal - 1) if ideal > 1 + 1e-9 else None
+            if use_cuda and "reference_lbmicro" in results:
+                summary[f"peak_memory_ratio_{tag}_vs_reference"] = (
+                    results[name]["peak_reserved_gib_max"] / base["peak_reserved_gib_max"])
         summary["bubble_rate"] = {n: r["bubble_rate"] for n, r in results.items()}
     if rank == 0:
         for k, v in summary.items():

@@ -130,6 +130,30 @@ def _misuse(mesh):
     return out
 
 
+def _freed_worker(rank, world):
+    """A decoupled model, its optimizer and its local buffers are freed once dropped."""
+    import gc
+    import weakref
+
+    import torch_odc_backend as odc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, opt = fm.build(init_device_mesh("cpu", (world,)), seed=5)
+    odc.decouple(model, opt, accumulate="local")
+    _microbatch_loss(model, 0, 0).backward()
+    odc.sync(model)
+    opt.step()
+    opt.zero_grad()
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    return ref() is None
+
+
+def test_decoupled_model_is_freed_when_dropped():
+    assert run_distributed(_freed_worker, 2, backend="cpu:odc", deadline_s=120) == {0: True, 1: True}
+
+
 def _gloo_mesh_worker(rank, world):
     import torch_odc_backend as odc
     from torch.distributed.device_mesh import init_device_mesh

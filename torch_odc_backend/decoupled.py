@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,13 @@ __all__ = ["decouple", "sync", "metrics", "DecoupledState"]
 log = logging.getLogger("torch_odc_backend.decoupled")
 _range = torch.autograd.profiler.record_function  # named ranges in torch.profiler traces
 
-_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, DecoupledState]" = weakref.WeakKeyDictionary()
+# The state lives on the model (an attribute, not a registry: a registry entry would keep
+# the model, its local buffers and shards alive after the user drops them).
+_STATE_ATTR = "_odc_decoupled_state"
+
+
+def _state_of(model: torch.nn.Module) -> "DecoupledState | None":
+    return model.__dict__.get(_STATE_ATTR)
 
 
 class _Group:
@@ -75,6 +80,7 @@ class _Group:
         self.grad_numel = sum(n for n, t in zip(self.padded, self.trainable) if t)
         self.versions = None  # the local shards' version counters when last published
         self.local_acc = None  # accumulate="local": this rank's summed reduce-scatter inputs (fp32)
+        self.local_event = None  # recorded after the last add into local_acc (CUDA)
 
     def refresh(self) -> None:
         self.params = _fsdp_adapter.group_policy(self.module).params
@@ -144,6 +150,9 @@ class _ReduceScatter:
                     g.local_acc = torch.zeros(st.world * g.grad_numel, dtype=torch.float32,
                                               device=input_tensor.device)
                 g.local_acc.add_(input_tensor.reshape(-1))
+                if g.local_acc.is_cuda:  # sync reads it on another stream (FSDP2 runs this on its own)
+                    g.local_event = torch.cuda.Event()
+                    g.local_event.record()
         else:
             with _range("odc.put_accumulate"), st._fail_on_error():
                 st.backend.arena_accumulate(st.arena, self.group.index, input_tensor.contiguous())
@@ -269,9 +278,27 @@ class DecoupledState:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            stream = torch.cuda.current_stream(self.device)
+            for g in self.groups:  # accumulate="local": the adds ran on FSDP2's stream
+                if g.local_event is not None:
+                    stream.wait_event(g.local_event)
+                    g.local_event = None
+            stream.synchronize()
         t0 = time.perf_counter()
         self.backend.arena_finish(self.arena, self.epoch)
+        accs = []
+        for g in self.groups:
+            acc = torch.empty(g.grad_numel, dtype=torch.float32, device=self.device)
+            if self.accumulate == "owner":
+                self.backend.arena_take(self.arena, g.index, acc)
+            else:  # one reduce-scatter of the local sums (zeros from a rank without backward)
+                local = g.local_acc if g.local_acc is not None else torch.zeros(
+                    self.world * g.grad_numel, dtype=torch.float32, device=self.device)
+                dist.reduce_scatter_tensor(acc, local, group=self.shard_pg)
+                local.zero_()
+            accs.append(acc)
+        if self.accumulate == "local" and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the wait includes the reduce-scatters
         t1 = time.perf_counter()
         busy, wait = t0 - self._since, t1 - t0
         self.last = {"busy_s": busy, "sync_wait_s": wait,
@@ -281,17 +308,7 @@ class DecoupledState:
         self.totals["minibatches"] += 1
         log.info("odc sync epoch %d: busy %.3fs, waited %.3fs in sync (bubble %.1f%%)",
                  self.epoch, busy, wait, 100 * self.last["bubble_rate"])
-        for g in self.groups:
-            acc = torch.empty(g.grad_numel, dtype=torch.float32, device=self.device)
-            if self.accumulate == "owner":
-                self.backend.arena_take(self.arena, g.index, acc)
-            elif g.local_acc is None:  # no backward on this rank in this minibatch
-                acc.zero_()
-                dist.reduce_scatter_tensor(acc, torch.zeros(self.world * g.grad_numel, dtype=torch.float32,
-                                                            device=self.device), group=self.shard_pg)
-            else:
-                dist.reduce_scatter_tensor(acc, g.local_acc, group=self.shard_pg)
-                g.local_acc.zero_()
+        for g, acc in zip(self.groups, accs):
             if self.replicate_pg is not None and self.replicate_pg.size() > 1:
                 dist.all_reduce(acc, group=self.replicate_pg)
             acc.div_(self.dp_size)  # FSDP2's default: the mean over the data-parallel ranks
@@ -319,17 +336,17 @@ def decouple(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     ``accumulate``: ``"owner"`` (default) adds gradient rows into the owners' accumulators
     during backward; ``"local"`` sums them in a local fp32 buffer (+4 bytes per parameter)
     and reduce-scatters once in ``sync``."""
-    if model in _STATES:
+    if _state_of(model) is not None:
         raise RuntimeError("odc.decouple: this model is in decoupled mode already")
     state = DecoupledState(model, optimizer, accumulate)
-    _STATES[model] = state
+    model.__dict__[_STATE_ATTR] = state
     return state
 
 
 def sync(model: torch.nn.Module) -> None:
     """End a minibatch in decoupled mode (collective): afterwards every sharded parameter's
     ``.grad`` holds the minibatch's gradient, as FSDP2 would have produced it."""
-    state = _STATES.get(model)
+    state = _state_of(model)
     if state is None:
         raise RuntimeError("odc.sync: the model is not in decoupled mode (call odc.decouple first)")
     state.sync()
@@ -337,7 +354,7 @@ def sync(model: torch.nn.Module) -> None:
 
 def metrics(model: torch.nn.Module) -> dict:
     """Decoupled-mode timing of this rank (see DecoupledState.metrics)."""
-    state = _STATES.get(model)
+    state = _state_of(model)
     if state is None:
         raise RuntimeError("odc.metrics: the model is not in decoupled mode (call odc.decouple first)")
     return state.metrics()

@@ -45,6 +45,15 @@ def init(heap_bytes: int = 0) -> bool:
     if not torch.cuda.is_available():
         raise RuntimeError("torch_odc_backend.nvshmem.init: NVSHMEM needs CUDA GPUs")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Every rank must agree whether NVSHMEM is up: a unique id is made (and its bootstrap
+    # listener started) only when nobody has initialised it yet.
+    states = [None] * world
+    dist.all_gather_object(states, _C.nvshmem_status()["init_status"] >= 2)
+    if all(states):
+        return _C.nvshmem_init(b"", rank, world, torch.cuda.current_device(), 0)
+    if any(states):
+        raise RuntimeError("torch_odc_backend.nvshmem.init: NVSHMEM is initialised on ranks "
+                           f"{[r for r, up in enumerate(states) if up]} only")
     box = [_C.nvshmem_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return _C.nvshmem_init(box[0], rank, world, torch.cuda.current_device(), int(heap_bytes))
@@ -61,5 +70,9 @@ def ring_selftest(nbytes: int, stream: torch.cuda.Stream | None = None) -> dict:
     the stream for its own signal; returns mismatched bytes, whether the next PE is
     reachable peer-to-peer, and the device time of put + wait in microseconds."""
     _require()
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, int(nbytes))  # a collective: unequal sizes would hang
+    if len(set(sizes)) != 1:
+        raise ValueError(f"torch_odc_backend.nvshmem.ring_selftest: ranks passed different sizes {sizes}")
     stream = stream or torch.cuda.current_stream()
     return dict(_C.nvshmem_ring_selftest(int(nbytes), stream.cuda_stream))

@@ -129,8 +129,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--decoupled", action="store_true",
-                   help="odc decoupled mode: one synchronisation per step (odc.decouple / odc.sync); "
-                        "CPU only for now")
+                   help="odc decoupled mode: one synchronisation per step (odc.decouple / odc.sync)")
+    p.add_argument("--accumulate", choices=("owner", "local"), default="owner",
+                   help="decoupled mode's gradient accumulation: atomic adds into the owners' "
+                        "accumulators during backward, or local fp32 sums reduce-scattered in sync")
     return p.parse_args(argv)
 
 
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
             sys.exit("--decoupled needs the odc backend (--backend odc)")
         import torch_odc_backend as odc
 
-        odc.decouple(model, opt)  # the first of the two lines decoupled mode adds
+        odc.decouple(model, opt, accumulate=args.accumulate)  # the first of the two lines decoupled mode adds
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))

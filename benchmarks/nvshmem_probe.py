@@ -52,7 +52,7 @@ def main() -> int:
     dist.init_process_group("cpu:gloo,cuda:nccl")
     res: dict = {"available": odc_nvshmem.available()}
     step(res, "status_before", odc_nvshmem.status)
-    step(res, "init", lambda: odc_nvshmem.init(heap_bytes=1 << 30))
+    step(res, "init", lambda: odc_nvshmem.init(slab_bytes=1 << 30))
     step(res, "status_after", odc_nvshmem.status)
     for size in (int(s) for s in args.sizes.split(",")):
         step(res, f"ring_selftest_{size}", lambda: odc_nvshmem.ring_selftest(size))

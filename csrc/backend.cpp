@@ -7,6 +7,9 @@
 
 #include "text.hpp"
 #include "transport_shm.hpp"
+#ifdef ODC_WITH_NVSHMEM
+#include "nvshmem_runtime.hpp"
+#endif
 
 #ifdef ODC_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -197,8 +200,22 @@ Channel& OdcBackend::channel(const c10::Device& device) {
                                                      : static_cast<size_t>(knobs_.small_op_bytes);
       const int acc_blocks =
           knobs_.accumulate_blocks ? knobs_.accumulate_blocks : kDefaultAccumulateBlocks;
+      std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
+      if (knobs_.transport == 1) {
+#ifdef ODC_WITH_NVSHMEM
+        std::vector<int> pes = knobs_.global_ranks;
+        if (pes.empty()) {
+          for (int r = 0; r < getSize(); ++r) pes.push_back(r);
+        }
+        memory = nvshmem::make_memory(std::move(pes));
+#else
+        ODC_CHECK(false, ValueError, "odc: ODC_TRANSPORT=nvshmem needs a build with NVSHMEM "
+                  "(ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
+#endif
+      }
       ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks, acc_blocks,
-                                                        small, knobs_.stream_memops);
+                                                        small, knobs_.stream_memops,
+                                                        std::move(memory));
       c10::cuda::CUDAGuard g(device.index());
       cudaStream_t s;
       int lo = 0, hi = 0;

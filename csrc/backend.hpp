@@ -31,6 +31,8 @@ struct Knobs {
   int accumulate_blocks = 0;  // decoupled put-accumulate kernel, per peer
   int64_t small_op_bytes = -1;  // -1: default; 0: no fused small-op kernel
   bool stream_memops = false;   // CUDA waits/signals as stream memory operations
+  int transport = 0;            // CUDA windows: 0 CUDA IPC, 1 NVSHMEM symmetric heap
+  std::vector<int> global_ranks;  // the group's ranks in the default group (NVSHMEM PEs)
 };
 
 // One transport + protocol per device type this group has moved data on.

@@ -14,7 +14,10 @@
 namespace odc::nvshmem {
 namespace {
 
-std::mutex init_mu;  // init() may be reached from several groups' creation
+std::mutex init_mu;  // guards the slab too: groups' transports start on several threads
+char* slab = nullptr;  // symmetric, world-collective; groups sub-allocate windows from it
+size_t slab_size = 0;
+size_t slab_used = 0;  // a bump pointer: windows are never returned (until process exit)
 
 void check_cuda(cudaError_t e, const char* what) {
   ODC_CHECK(e == cudaSuccess, Error, "odc nvshmem: ", what, " failed: ", cudaGetErrorString(e));
@@ -46,7 +49,7 @@ std::vector<uint8_t> unique_id() {
   return std::vector<uint8_t>(b, b + sizeof(id));
 }
 
-bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device, size_t heap_bytes) {
+bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device, size_t slab_bytes) {
   std::lock_guard<std::mutex> lock(init_mu);
   check_cuda(cudaSetDevice(device), "cudaSetDevice");
   bool fresh = false;
@@ -56,7 +59,7 @@ bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device
     ODC_CHECK(world > 0 && global_rank >= 0 && global_rank < world, ValueError,
               "odc nvshmem: rank ", global_rank, " is not in a world of ", world);
     // NVSHMEM reads its options once, here; keep the user's settings
-    if (heap_bytes > 0) set_default_env("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes));
+    if (slab_bytes > 0) set_default_env("NVSHMEM_SYMMETRIC_SIZE", std::to_string(slab_bytes + (512ull << 20)));
     set_default_env("NVSHMEM_DISABLE_NVLS", "1");
     nvshmemx_uniqueid_t uid;
     std::memcpy(&uid, id.data(), sizeof(uid));
@@ -72,7 +75,75 @@ bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device
             "odc nvshmem: NVSHMEM in this process has PE ", nvshmem_my_pe(), " of ", nvshmem_n_pes(),
             ", expected ", global_rank, " of ", world,
             " (it was initialised over another set of ranks)");
+  if (slab == nullptr && slab_bytes > 0) {  // every rank passes here: the allocation is collective
+    slab = static_cast<char*>(nvshmem_align(4096, slab_bytes));
+    ODC_CHECK(slab != nullptr, Error, "odc nvshmem: the symmetric heap cannot hold a ", slab_bytes,
+              "-byte slab (NVSHMEM_SYMMETRIC_SIZE is set too low, or torch's symmetric memory uses it)");
+    slab_size = slab_bytes;
+  }
   return fresh;
+}
+
+namespace {
+
+class SymmetricMemory final : public DeviceMemory {
+ public:
+  explicit SymmetricMemory(std::vector<int> pes) : pes_(std::move(pes)) {}
+
+  std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
+                          const char* what) override {
+    // Members agree on one offset (the largest of their bump pointers), so a window sits at
+    // the same symmetric address on every member.
+    uint64_t mine;
+    {
+      std::lock_guard<std::mutex> lock(init_mu);
+      mine = slab_used;
+    }
+    auto all = exchange_blobs(a, tag + "_nvshmem_offset",
+                              std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&mine),
+                                                   reinterpret_cast<uint8_t*>(&mine) + sizeof(mine)));
+    uint64_t off = 0;
+    for (const auto& b : all) {
+      uint64_t v = 0;
+      std::memcpy(&v, b.data(), sizeof(v));
+      off = v > off ? v : off;
+    }
+    {
+      std::lock_guard<std::mutex> lock(init_mu);
+      ODC_CHECK(off + bytes <= slab_size, Error, "odc nvshmem: the ", what, " needs ", bytes,
+                " bytes at offset ", off, " of the ", slab_size, "-byte slab; pass a larger size to "
+                "torch_odc_backend.nvshmem.init()");
+      slab_used = (off + bytes + 4095) / 4096 * 4096;
+    }
+    std::vector<char*> bases(a.world, nullptr);
+    char* local = slab + off;
+    check_cuda(cudaMemset(local, 0, bytes), "zeroing a window");
+    check_cuda(cudaDeviceSynchronize(), "zeroing a window");
+    for (int r = 0; r < a.world; ++r) {
+      bases[r] = r == a.rank ? local : static_cast<char*>(nvshmem_ptr(local, pes_.at(r)));
+      ODC_CHECK(bases[r] != nullptr, Error, "odc nvshmem: rank ", r, " (PE ", pes_.at(r),
+                ") is not reachable peer-to-peer; NVSHMEM's network path is not implemented yet");
+    }
+    store_barrier(a, tag + "_nvshmem_zeroed");  // no peer signals into it before it is zeroed
+    return bases;
+  }
+
+  void close(const TransportArgs&, std::vector<char*>& bases) override {
+    bases.assign(bases.size(), nullptr);  // the slab keeps it (a bump allocator)
+  }
+
+ private:
+  std::vector<int> pes_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank) {
+  std::lock_guard<std::mutex> lock(init_mu);
+  ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED && slab != nullptr, Error,
+            "odc: ODC_TRANSPORT=nvshmem: call torch_odc_backend.nvshmem.init() on every rank "
+            "before the first CUDA collective");
+  return std::make_unique<SymmetricMemory>(std::move(pe_of_rank));
 }
 
 Status status() {

@@ -5,28 +5,37 @@
 // through nvshmemx_hostlib_init_attr (docs/nvshmem_transport.md, section 1).
 //
 // What exists so far: one initialisation per process over the default group's world
-// (PE = global rank, as PyTorch's own NVSHMEM use assumes), and a self-test of the
-// on-stream operations the transport will use (put-with-signal to the next PE, a
-// stream wait on the local signal). The transport itself is not written yet.
+// (PE = global rank, as PyTorch's own NVSHMEM use assumes); a slab of the symmetric heap
+// that groups sub-allocate their windows from (ODC_TRANSPORT=nvshmem: the CUDA transport's
+// data path over NVSHMEM memory mapped peer-to-peer, so peers on one host only); and a
+// self-test of the on-stream operations the network path will use (put-with-signal to the
+// next PE, a stream wait on the local signal). The network path is not written yet.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "transport_cuda_ipc.hpp"
 
 namespace odc::nvshmem {
 
 // A fresh unique id (call on global rank 0; broadcast the bytes to every rank).
 std::vector<uint8_t> unique_id();
 
-// Initialise once per process with rank 0's id. Sets NVSHMEM_SYMMETRIC_SIZE to
-// `heap_bytes` when that is > 0 and the variable is unset (NVSHMEM reads its options
-// once, at initialisation), and NVSHMEM_DISABLE_NVLS=1 when unset. If NVSHMEM is
-// already initialised in this process (e.g. by PyTorch's symmetric memory), checks that
-// its PE numbering matches (my PE == global_rank, PEs == world) and joins it.
-// Returns false when it was already initialised.
-bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device, size_t heap_bytes);
+// Initialise once per process with rank 0's id, then allocate the slab (world-collective).
+// Sets NVSHMEM_SYMMETRIC_SIZE to the slab + 512 MiB when unset (NVSHMEM reads its options
+// once, at initialisation), and NVSHMEM_DISABLE_NVLS=1 when unset. If NVSHMEM is already
+// initialised in this process (e.g. by PyTorch's symmetric memory), checks that its PE
+// numbering matches (my PE == global_rank, PEs == world) and joins it. Returns false when
+// it was already initialised.
+bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device, size_t slab_bytes);
+
+// Windows for the CUDA transport from the slab, mapped peer-to-peer; pe_of_rank[r] is group
+// rank r's PE. Throws if NVSHMEM is not initialised or a peer is not reachable peer-to-peer.
+std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank);
 
 struct Status {
   int init_status = 0;  // nvshmemx_init_status(): 0 not initialised ... >= 2 initialised

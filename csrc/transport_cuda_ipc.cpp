@@ -28,12 +28,79 @@ std::string host_name() {
   return buf;
 }
 
+// CUDA IPC: a cudaMalloc'd buffer per rank, opened by every peer of the same host.
+class IpcMemory final : public DeviceMemory {
+ public:
+  explicit IpcMemory(int device) : device_(device) {}
+  std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
+                          const char* what) override;
+  void close(const TransportArgs& a, std::vector<char*>& bases) override;
+
+ private:
+  int device_;
+};
+
+std::vector<char*> IpcMemory::open(const TransportArgs& a, const std::string& tag, size_t bytes,
+                                   const char* what) {
+  std::vector<char*> bases(a.world, nullptr);
+  void* base = nullptr;
+  cudaError_t e = cudaMalloc(&base, bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error("could not allocate the " + std::to_string(bytes >> 20) + " MiB " +
+                             what + " on cuda:" + std::to_string(device_) + " (" +
+                             cudaGetErrorString(e) +
+                             "); free GPU memory or lower ODC_CHUNK_BYTES / ODC_RING_SLOTS");
+  }
+  bases[a.rank] = static_cast<char*>(base);
+  check(cudaMemset(base, 0, bytes), "zeroing shared memory");
+  check(cudaDeviceSynchronize(), "zeroing shared memory");
+
+  cudaIpcMemHandle_t handle;
+  check(cudaIpcGetMemHandle(&handle, base), "cudaIpcGetMemHandle");
+  const std::string host = host_name();
+  std::vector<uint8_t> mine(sizeof(handle) + host.size());
+  std::memcpy(mine.data(), &handle, sizeof(handle));
+  std::memcpy(mine.data() + sizeof(handle), host.data(), host.size());
+  auto all = exchange_blobs(a, tag, mine);
+  for (int r = 0; r < a.world; ++r) {
+    if (r == a.rank) continue;
+    const std::string peer_host(all[r].begin() + sizeof(handle), all[r].end());
+    if (peer_host != host) {
+      throw std::runtime_error("the CUDA IPC transport needs every rank on one host, but rank " +
+                               std::to_string(r) + " is on '" + peer_host + "' and rank " +
+                               std::to_string(a.rank) + " on '" + host + "'");
+    }
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, all[r].data(), sizeof(h));
+    void* p = nullptr;
+    check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+          ("opening the " + std::string(what) + " of rank " + std::to_string(r)).c_str());
+    bases[r] = static_cast<char*>(p);
+  }
+  return bases;
+}
+
+void IpcMemory::close(const TransportArgs& a, std::vector<char*>& bases) {
+  for (int r = 0; r < static_cast<int>(bases.size()); ++r) {
+    if (!bases[r]) continue;
+    if (r == a.rank) {
+      (void)cudaFree(bases[r]);
+    } else {
+      (void)cudaIpcCloseMemHandle(bases[r]);
+    }
+    bases[r] = nullptr;
+  }
+}
+
 }  // namespace
 
 CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
-                                   int accumulate_blocks, size_t small_op_bytes, bool stream_memops)
+                                   int accumulate_blocks, size_t small_op_bytes, bool stream_memops,
+                                   std::unique_ptr<DeviceMemory> memory)
     : a_(args),
       device_(device),
+      memory_(memory ? std::move(memory) : std::make_unique<IpcMemory>(device)),
       reduce_blocks_(reduce_blocks),
       accumulate_blocks_(accumulate_blocks),
       small_op_bytes_(small_op_bytes),
@@ -44,7 +111,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
   }
   DeviceGuard g(device_);
   check(preload_kernels(), "loading the transport's kernels");
-  bases_ = open_shared("ipc", a_.layout.total, "communication window");
+  bases_ = memory_->open(a_, "ipc", a_.layout.total, "communication window");
   check(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),
                       cudaHostAllocMapped),
         "allocating the error record");
@@ -203,63 +270,10 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
 
 // cudaMalloc `bytes` (zeroed) on this GPU and map every rank's through CUDA IPC
 // (collective; `tag` names the rendezvous in the store).
-std::vector<char*> CudaIpcTransport::open_shared(const std::string& tag, size_t bytes,
-                                                 const char* what) {
-  std::vector<char*> bases(a_.world, nullptr);
-  void* base = nullptr;
-  cudaError_t e = cudaMalloc(&base, bytes);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw std::runtime_error("could not allocate the " + std::to_string(bytes >> 20) + " MiB " +
-                             what + " on cuda:" + std::to_string(device_) + " (" +
-                             cudaGetErrorString(e) +
-                             "); free GPU memory or lower ODC_CHUNK_BYTES / ODC_RING_SLOTS");
-  }
-  bases[a_.rank] = static_cast<char*>(base);
-  check(cudaMemset(base, 0, bytes), "zeroing shared memory");
-  check(cudaDeviceSynchronize(), "zeroing shared memory");
-
-  cudaIpcMemHandle_t handle;
-  check(cudaIpcGetMemHandle(&handle, base), "cudaIpcGetMemHandle");
-  const std::string host = host_name();
-  std::vector<uint8_t> mine(sizeof(handle) + host.size());
-  std::memcpy(mine.data(), &handle, sizeof(handle));
-  std::memcpy(mine.data() + sizeof(handle), host.data(), host.size());
-  auto all = exchange_blobs(a_, tag, mine);
-  for (int r = 0; r < a_.world; ++r) {
-    if (r == a_.rank) continue;
-    const std::string peer_host(all[r].begin() + sizeof(handle), all[r].end());
-    if (peer_host != host) {
-      throw std::runtime_error("the CUDA IPC transport needs every rank on one host, but rank " +
-                               std::to_string(r) + " is on '" + peer_host + "' and rank " +
-                               std::to_string(a_.rank) + " on '" + host + "'");
-    }
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, all[r].data(), sizeof(h));
-    void* p = nullptr;
-    check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
-          ("opening the " + std::string(what) + " of rank " + std::to_string(r)).c_str());
-    bases[r] = static_cast<char*>(p);
-  }
-  return bases;
-}
-
-void CudaIpcTransport::close_shared(std::vector<char*>& bases) {
-  for (int r = 0; r < static_cast<int>(bases.size()); ++r) {
-    if (!bases[r]) continue;
-    if (r == a_.rank) {
-      (void)cudaFree(bases[r]);
-    } else {
-      (void)cudaIpcCloseMemHandle(bases[r]);
-    }
-    bases[r] = nullptr;
-  }
-}
-
 int CudaIpcTransport::create_arena(size_t bytes) {
   DeviceGuard g(device_);
   const int id = static_cast<int>(arenas_.size());
-  arenas_.push_back(open_shared("ipc_arena" + std::to_string(id), bytes, "decoupled-mode arena"));
+  arenas_.push_back(memory_->open(a_, "ipc_arena" + std::to_string(id), bytes, "decoupled-mode arena"));
   // No peer may signal into an arena before its owner has zeroed it.
   store_barrier(a_, "ipc_arena_open" + std::to_string(id));
   return id;
@@ -291,8 +305,8 @@ CudaIpcTransport::~CudaIpcTransport() {
     for (auto ev : l.join) (void)cudaEventDestroy(ev);
     (void)cudaEventDestroy(l.fork);
   }
-  close_shared(bases_);
-  for (auto& a : arenas_) close_shared(a);
+  memory_->close(a_, bases_);
+  for (auto& a : arenas_) memory_->close(a_, a);
   if (err_host_) (void)cudaFreeHost(err_host_);
   if (switched) (void)cudaSetDevice(prev);
 }

@@ -23,6 +23,7 @@
 #include <condition_variable>
 #include <deque>
 #include <list>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -31,10 +32,25 @@
 
 namespace odc {
 
+// Where a CUDA transport's windows and arenas live and how peers reach them: a cudaMalloc'd
+// buffer opened by the peers through CUDA IPC (the default), or NVSHMEM's symmetric heap
+// mapped peer-to-peer (ODC_TRANSPORT=nvshmem, nvshmem_runtime.cpp).
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  // Collective over the group: `bytes` of zeroed memory on this GPU; returns every rank's
+  // base as a pointer this GPU can load, store and copy through.
+  virtual std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
+                                  const char* what) = 0;
+  virtual void close(const TransportArgs& a, std::vector<char*>& bases) = 0;
+};
+
 class CudaIpcTransport final : public Transport {
  public:
+  // memory: nullptr for CUDA IPC.
   CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks, int accumulate_blocks,
-                   size_t small_op_bytes, bool stream_memops);
+                   size_t small_op_bytes, bool stream_memops,
+                   std::unique_ptr<DeviceMemory> memory = nullptr);
   ~CudaIpcTransport() override;
 
   char* window(int rank) override { return bases_[rank]; }
@@ -84,8 +100,6 @@ class CudaIpcTransport final : public Transport {
   void watchdog_loop();
   bool diagnose_and_release(const Tracked& op);  // caller holds wd_mu_
 
-  std::vector<char*> open_shared(const std::string& tag, size_t bytes, const char* what);
-  void close_shared(std::vector<char*>& bases);
 
   bool fusable() const;
   void run_fused();
@@ -114,6 +128,7 @@ class CudaIpcTransport final : public Transport {
 
   TransportArgs a_;
   int device_;
+  std::unique_ptr<DeviceMemory> memory_;
   int reduce_blocks_;
   int accumulate_blocks_;  // blocks of each peer's put-accumulate kernel (decoupled mode)
   size_t small_op_bytes_;

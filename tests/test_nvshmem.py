@@ -20,7 +20,7 @@ def test_build_without_nvshmem_says_how_to_enable_it():
 
 def _worker(rank, world):
     torch.cuda.set_device(rank)
-    fresh = odc_nvshmem.init(heap_bytes=256 << 20)
+    fresh = odc_nvshmem.init(slab_bytes=1 << 30)
     again = odc_nvshmem.init()  # once per process: the second call joins
     st = odc_nvshmem.status()
     tests = {n: odc_nvshmem.ring_selftest(n) for n in (8, 4096 + 3, 8 << 20)}
@@ -37,3 +37,47 @@ def test_gpu_nvshmem_init_once_and_put_with_signal():
         for n, r in tests.items():
             assert r["mismatched_bytes"] == 0, (rank, n, r)
             assert r["next_pe_is_p2p"], (rank, n, r)  # GPUs of one host
+
+
+def test_odc_transport_knob(monkeypatch):
+    from torch_odc_backend import config
+
+    for raw, code in (("", 0), ("auto", 0), ("ipc", 0), ("NVSHMEM", 1)):
+        monkeypatch.setenv("ODC_TRANSPORT", raw)
+        assert config.knobs().transport == code
+    monkeypatch.setenv("ODC_TRANSPORT", "ib")
+    with pytest.raises(ValueError, match="ODC_TRANSPORT='ib'"):
+        config.knobs()
+
+
+def _collectives_worker(rank, world):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    odc_nvshmem.init()
+    g = torch.Generator(device="cuda").manual_seed(100 + rank)
+    shard = torch.randn(3 << 20, device="cuda", generator=g, dtype=torch.bfloat16)
+    out = torch.empty(world * shard.numel(), device="cuda", dtype=shard.dtype)
+    dist.all_gather_into_tensor(out, shard)
+    rows = torch.randn(world * 4096, device="cuda", generator=g)
+    red = torch.empty(4096, device="cuda")
+    dist.reduce_scatter_tensor(red, rows)
+    every = [torch.randn(3 << 20, device="cuda", generator=torch.Generator(device="cuda").manual_seed(100 + r),
+                         dtype=torch.bfloat16) for r in range(world)]
+    rows_of = []
+    for r in range(world):
+        gr = torch.Generator(device="cuda").manual_seed(100 + r)
+        torch.randn(3 << 20, device="cuda", generator=gr, dtype=torch.bfloat16)  # same draws as rank r
+        rows_of.append(torch.randn(world * 4096, device="cuda", generator=gr))
+    expect = sum(x.view(world, -1)[rank] for x in rows_of)
+    return bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not odc_nvshmem.available(),
+                    reason="needs >= 2 CUDA GPUs and an ODC_WITH_NVSHMEM=1 build")
+def test_gpu_collectives_over_nvshmem_memory():
+    env = dict(ENV, ODC_TRANSPORT="nvshmem")
+    results = run_distributed(_collectives_worker, 2, backend="cpu:gloo,cuda:odc", env=env, deadline_s=240)
+    for rank, (ag_equal, rs_err) in results.items():
+        assert ag_equal, rank
+        assert rs_err < 1e-4, (rank, rs_err)

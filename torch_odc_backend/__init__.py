@@ -59,6 +59,8 @@ def _create_backend(opts, pg_options):
         knobs.small_op_bytes,
         knobs.stream_memops,
         knobs.accumulate_blocks,
+        knobs.transport,
+        list(opts.global_ranks_in_group or []),
     )
 
 

@@ -45,6 +45,16 @@ def _int(name: str, lo: int, hi: int) -> int:
     return value
 
 
+_TRANSPORTS = {"": 0, "auto": 0, "ipc": 0, "nvshmem": 1}
+
+
+def _transport() -> int:
+    raw = os.environ.get("ODC_TRANSPORT", "").strip().lower()
+    if raw not in _TRANSPORTS:
+        raise ValueError(f"ODC_TRANSPORT={raw!r}: expected auto, ipc or nvshmem")
+    return _TRANSPORTS[raw]
+
+
 @dataclass(frozen=True)
 class Knobs:
     """0 means "the backend's default for the device"."""
@@ -55,6 +65,7 @@ class Knobs:
     accumulate_blocks: int  # ODC_ACCUMULATE_BLOCKS: CUDA blocks per peer of decoupled put-accumulate (16)
     small_op_bytes: int  # ODC_SMALL_OP_BYTES: largest copy of a fused one-kernel op (-1: default)
     stream_memops: bool  # ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory operations (0)
+    transport: int  # ODC_TRANSPORT: CUDA windows from CUDA IPC (0: "auto", "ipc") or NVSHMEM (1)
 
 
 def knobs() -> Knobs:
@@ -65,4 +76,5 @@ def knobs() -> Knobs:
         accumulate_blocks=_int("ODC_ACCUMULATE_BLOCKS", 1, 1024),
         small_op_bytes=_small_op_bytes(),
         stream_memops=_int("ODC_STREAM_MEMOPS", 0, 1) == 1,
+        transport=_transport(),
     )

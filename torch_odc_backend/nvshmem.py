@@ -1,8 +1,14 @@
-"""NVSHMEM runtime (groundwork for the NVSHMEM transport; the transport is not written yet).
+"""NVSHMEM runtime (groundwork for the NVSHMEM transport).
 
     import torch_odc_backend.nvshmem as odc_nvshmem
     odc_nvshmem.init()                  # collective over the default group, once per process
     odc_nvshmem.ring_selftest(1 << 20)  # put-with-signal to the next PE, checked
+
+With ``ODC_TRANSPORT=nvshmem`` set before the odc groups are created (and ``init()`` called
+on every rank before the first CUDA collective), odc's CUDA windows and decoupled-mode
+arenas come from a slab of NVSHMEM's symmetric heap, mapped peer-to-peer: the same data path
+as CUDA IPC, for peers on one host. Peers on other hosts need NVSHMEM's network path, which
+is not written yet (a group with such a peer is refused).
 
 Available when the extension was built with ``ODC_WITH_NVSHMEM=1`` (CUDA builds; NVSHMEM
 from ``$NVSHMEM_HOME`` or the ``nvidia-nvshmem-cu13`` wheel). The NVSHMEM world is the
@@ -32,10 +38,13 @@ def _require() -> None:
                            "wheel)")
 
 
-def init(heap_bytes: int = 0) -> bool:
+def init(slab_bytes: int = 1 << 30) -> bool:
     """Initialise NVSHMEM over the default group (collective; every rank calls it).
 
-    ``heap_bytes`` > 0 sets ``NVSHMEM_SYMMETRIC_SIZE`` unless the environment already does.
+    Allocates a ``slab_bytes`` slab of the symmetric heap for odc's windows (each CUDA group
+    with ``ODC_TRANSPORT=nvshmem`` takes about (world + 1) x 4 x 32 MiB with the default
+    ring settings) and, unless the environment sets it, ``NVSHMEM_SYMMETRIC_SIZE`` to the
+    slab + 512 MiB.
     Returns True when this call initialised NVSHMEM, False when it was already up in this
     process (ours or PyTorch's; the PE numbering is checked either way).
     """
@@ -50,13 +59,13 @@ def init(heap_bytes: int = 0) -> bool:
     states = [None] * world
     dist.all_gather_object(states, _C.nvshmem_status()["init_status"] >= 2)
     if all(states):
-        return _C.nvshmem_init(b"", rank, world, torch.cuda.current_device(), 0)
+        return _C.nvshmem_init(b"", rank, world, torch.cuda.current_device(), int(slab_bytes))
     if any(states):
         raise RuntimeError("torch_odc_backend.nvshmem.init: NVSHMEM is initialised on ranks "
                            f"{[r for r, up in enumerate(states) if up]} only")
     box = [_C.nvshmem_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return _C.nvshmem_init(box[0], rank, world, torch.cuda.current_device(), int(heap_bytes))
+    return _C.nvshmem_init(box[0], rank, world, torch.cuda.current_device(), int(slab_bytes))
 
 
 def status() -> dict:

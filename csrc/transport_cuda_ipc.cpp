@@ -28,7 +28,8 @@ std::string host_name() {
   return buf;
 }
 
-// CUDA IPC: a cudaMalloc'd buffer per rank, opened by every peer of the same host.
+// CUDA IPC: cudaMalloc `bytes` (zeroed) on this GPU and open every rank's buffer through
+// CUDA IPC (all ranks on one host; `tag` names the rendezvous in the store).
 class IpcMemory final : public DeviceMemory {
  public:
   explicit IpcMemory(int device) : device_(device) {}
@@ -268,8 +269,6 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
   return true;
 }
 
-// cudaMalloc `bytes` (zeroed) on this GPU and map every rank's through CUDA IPC
-// (collective; `tag` names the rendezvous in the store).
 int CudaIpcTransport::create_arena(size_t bytes) {
   DeviceGuard g(device_);
   const int id = static_cast<int>(arenas_.size());

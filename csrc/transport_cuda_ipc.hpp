@@ -1,7 +1,7 @@
 // CUDA IPC transport: GPUs of one host. Each window is a cudaMalloc'd buffer
 // opened by every peer through CUDA IPC (or, with ODC_TRANSPORT=nvshmem, a piece of
-// NVSHMEM's symmetric heap mapped peer-to-peer: see DeviceMemory). The steps of one operation are recorded
-// between begin_op and end_op, then run by one of two engines:
+// NVSHMEM's symmetric heap mapped peer-to-peer: see DeviceMemory). The steps of one
+// operation are recorded between begin_op and end_op, then run by one of two engines:
 //  * copy engines (large operations): data moves by cudaMemcpyAsync (no SMs), one
 //    stream per peer lane; counters are waited on and signalled with stream memory
 //    operations (cuStreamWaitValue64 / cuStreamWriteValue64: no SM is held while a

@@ -207,7 +207,7 @@ Channel& OdcBackend::channel(const c10::Device& device) {
         if (pes.empty()) {
           for (int r = 0; r < getSize(); ++r) pes.push_back(r);
         }
-        memory = nvshmem::make_memory(std::move(pes));
+        memory = nvshmem::make_memory(std::move(pes), device.index());
 #else
         ODC_CHECK(false, ValueError, "odc: ODC_TRANSPORT=nvshmem needs a build with NVSHMEM "
                   "(ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
@@ -234,7 +234,8 @@ Channel& OdcBackend::channel(const c10::Device& device) {
   } catch (const c10::Error&) {
     throw;
   } catch (const std::exception& e) {
-    ODC_CHECK(false, Error, "odc: could not set up the ", (cuda ? "CUDA IPC" : "shared-memory"),
+    ODC_CHECK(false, Error, "odc: could not set up the ",
+              (cuda ? (knobs_.transport == 1 ? "CUDA (NVSHMEM memory)" : "CUDA IPC") : "shared-memory"),
                 " transport of group '", group_name_, "' (", a.layout.total >> 20,
                 " MiB window): ", e.what());
   }

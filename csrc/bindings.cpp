@@ -117,6 +117,8 @@ PYBIND11_MODULE(_C, m) {
     d["init_status"] = s.init_status;
     d["my_pe"] = s.my_pe;
     d["n_pes"] = s.n_pes;
+    d["slab_bytes"] = s.slab_bytes;
+    d["slab_used"] = s.slab_used;
     return d;
   });
   m.def(

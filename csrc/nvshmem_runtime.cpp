@@ -6,6 +6,7 @@
 #include <host/nvshmemx_coll_api.h>
 
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 
@@ -86,6 +87,17 @@ bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device
 
 namespace {
 
+std::vector<uint8_t> as_bytes(uint64_t v) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&v);
+  return std::vector<uint8_t>(p, p + sizeof(v));
+}
+
+uint64_t from_bytes(const std::vector<uint8_t>& b) {
+  uint64_t v = 0;
+  std::memcpy(&v, b.data(), std::min(b.size(), sizeof(v)));
+  return v;
+}
+
 class SymmetricMemory final : public DeviceMemory {
  public:
   explicit SymmetricMemory(std::vector<int> pes) : pes_(std::move(pes)) {}
@@ -93,27 +105,35 @@ class SymmetricMemory final : public DeviceMemory {
   std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
                           const char* what) override {
     // Members agree on one offset (the largest of their bump pointers), so a window sits at
-    // the same symmetric address on every member.
-    uint64_t mine;
-    {
-      std::lock_guard<std::mutex> lock(init_mu);
-      mine = slab_used;
-    }
-    auto all = exchange_blobs(a, tag + "_nvshmem_offset",
-                              std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&mine),
-                                                   reinterpret_cast<uint8_t*>(&mine) + sizeof(mine)));
+    // the same symmetric address on every member. Another group may reserve on this rank
+    // between the exchange and the reservation (transports start on several threads): then
+    // every member learns it and the round repeats past the new bump pointer.
     uint64_t off = 0;
-    for (const auto& b : all) {
-      uint64_t v = 0;
-      std::memcpy(&v, b.data(), sizeof(v));
-      off = v > off ? v : off;
-    }
-    {
-      std::lock_guard<std::mutex> lock(init_mu);
+    for (int round = 0;; ++round) {
+      const std::string key = tag + "_nvshmem_" + std::to_string(round);
+      uint64_t mine;
+      {
+        std::lock_guard<std::mutex> lock(init_mu);
+        mine = slab_used;
+      }
+      off = 0;
+      for (const auto& b : exchange_blobs(a, key + "_offset", as_bytes(mine))) {
+        off = std::max(off, from_bytes(b));
+      }
       ODC_CHECK(off + bytes <= slab_size, Error, "odc nvshmem: the ", what, " needs ", bytes,
-                " bytes at offset ", off, " of the ", slab_size, "-byte slab; pass a larger size to "
-                "torch_odc_backend.nvshmem.init()");
-      slab_used = (off + bytes + 4095) / 4096 * 4096;
+                " bytes at offset ", off, " of the ", slab_size, "-byte slab; pass a larger "
+                "slab_bytes to torch_odc_backend.nvshmem.init()");
+      uint64_t ok;
+      {
+        std::lock_guard<std::mutex> lock(init_mu);
+        ok = off >= slab_used;
+        if (ok) slab_used = std::max<uint64_t>(slab_used, (off + bytes + 4095) / 4096 * 4096);
+      }
+      bool all_ok = true;
+      for (const auto& b : exchange_blobs(a, key + "_reserved", as_bytes(ok))) {
+        all_ok &= from_bytes(b) != 0;
+      }
+      if (all_ok) break;  // else: what this rank reserved stays a hole
     }
     std::vector<char*> bases(a.world, nullptr);
     char* local = slab + off;
@@ -138,11 +158,20 @@ class SymmetricMemory final : public DeviceMemory {
 
 }  // namespace
 
-std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank) {
+std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, int device) {
   std::lock_guard<std::mutex> lock(init_mu);
   ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED && slab != nullptr, Error,
-            "odc: ODC_TRANSPORT=nvshmem: call torch_odc_backend.nvshmem.init() on every rank "
-            "before the first CUDA collective");
+            "odc: ODC_TRANSPORT=nvshmem: call torch_odc_backend.nvshmem.init() (with slab_bytes "
+            "> 0) on every rank before the first CUDA collective");
+  cudaPointerAttributes attr{};
+  check_cuda(cudaPointerGetAttributes(&attr, slab), "cudaPointerGetAttributes");
+  ODC_CHECK(attr.device == device, Error, "odc nvshmem: the slab is on cuda:", attr.device,
+            " but this group's transport runs on cuda:", device,
+            " (call torch.cuda.set_device before torch_odc_backend.nvshmem.init())");
+  for (int pe : pe_of_rank) {
+    ODC_CHECK(pe >= 0 && pe < nvshmem_n_pes(), Error, "odc nvshmem: PE ", pe, " is not in the world of ",
+              nvshmem_n_pes());
+  }
   return std::make_unique<SymmetricMemory>(std::move(pe_of_rank));
 }
 
@@ -153,6 +182,9 @@ Status status() {
     s.my_pe = nvshmem_my_pe();
     s.n_pes = nvshmem_n_pes();
   }
+  std::lock_guard<std::mutex> lock(init_mu);
+  s.slab_bytes = slab_size;
+  s.slab_used = slab_used;
   return s;
 }
 

@@ -35,12 +35,14 @@ bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device
 
 // Windows for the CUDA transport from the slab, mapped peer-to-peer; pe_of_rank[r] is group
 // rank r's PE. Throws if NVSHMEM is not initialised or a peer is not reachable peer-to-peer.
-std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank);
+std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, int device);
 
 struct Status {
   int init_status = 0;  // nvshmemx_init_status(): 0 not initialised ... >= 2 initialised
   int my_pe = -1;
   int n_pes = 0;
+  size_t slab_bytes = 0;  // odc's slab of the symmetric heap (0: none)
+  size_t slab_used = 0;   // bytes of it handed to groups' windows and arenas
 };
 Status status();
 

@@ -20,9 +20,10 @@ def test_build_without_nvshmem_says_how_to_enable_it():
 
 def _worker(rank, world):
     torch.cuda.set_device(rank)
-    fresh = odc_nvshmem.init(slab_bytes=1 << 30)
+    fresh = odc_nvshmem.init(slab_bytes=256 << 20)
     again = odc_nvshmem.init()  # once per process: the second call joins
     st = odc_nvshmem.status()
+    assert st["slab_bytes"] == 256 << 20 and st["slab_used"] == 0
     tests = {n: odc_nvshmem.ring_selftest(n) for n in (8, 4096 + 3, 8 << 20)}
     return fresh, again, st, tests
 
@@ -70,7 +71,8 @@ def _collectives_worker(rank, world):
         torch.randn(3 << 20, device="cuda", generator=gr, dtype=torch.bfloat16)  # same draws as rank r
         rows_of.append(torch.randn(world * 4096, device="cuda", generator=gr))
     expect = sum(x.view(world, -1)[rank] for x in rows_of)
-    return bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max())
+    used = odc_nvshmem.status()["slab_used"]  # > 0: the window came from the slab
+    return bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max()), used
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or not odc_nvshmem.available(),
@@ -78,6 +80,7 @@ def _collectives_worker(rank, world):
 def test_gpu_collectives_over_nvshmem_memory():
     env = dict(ENV, ODC_TRANSPORT="nvshmem")
     results = run_distributed(_collectives_worker, 2, backend="cpu:gloo,cuda:odc", env=env, deadline_s=240)
-    for rank, (ag_equal, rs_err) in results.items():
+    for rank, (ag_equal, rs_err, slab_used) in results.items():
         assert ag_equal, rank
         assert rs_err < 1e-4, (rank, rs_err)
+        assert slab_used > 0, "the odc window did not come from NVSHMEM's symmetric heap"

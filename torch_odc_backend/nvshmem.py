@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, config
 
-__all__ = ["available", "init", "status", "ring_selftest"]
+__all__ = ["available", "default_slab_bytes", "init", "status", "ring_selftest"]
 
 
 def available() -> bool:
@@ -38,13 +38,21 @@ def _require() -> None:
                            "wheel)")
 
 
-def init(slab_bytes: int = 1 << 30) -> bool:
+def default_slab_bytes(world: int) -> int:
+    """Room for two groups' windows with the current ring knobs: a CUDA window takes about
+    (world + 1) x ODC_RING_SLOTS x ODC_CHUNK_BYTES. Decoupled-mode arenas need more (6 bytes
+    per parameter / shard-group size under bf16 mixed precision): pass slab_bytes then."""
+    k = config.knobs()
+    return 2 * (world + 1) * (k.ring_slots or 4) * (k.chunk_bytes or 32 << 20) + (64 << 20)
+
+
+def init(slab_bytes: int | None = None) -> bool:
     """Initialise NVSHMEM over the default group (collective; every rank calls it).
 
-    Allocates a ``slab_bytes`` slab of the symmetric heap for odc's windows (each CUDA group
-    with ``ODC_TRANSPORT=nvshmem`` takes about (world + 1) x 4 x 32 MiB with the default
-    ring settings) and, unless the environment sets it, ``NVSHMEM_SYMMETRIC_SIZE`` to the
-    slab + 512 MiB.
+    Allocates a ``slab_bytes`` slab of the symmetric heap for odc's windows (default: none,
+    or ``default_slab_bytes(world)`` when ``ODC_TRANSPORT=nvshmem``) and, unless the
+    environment sets it, ``NVSHMEM_SYMMETRIC_SIZE`` to the slab + 512 MiB. Windows are never
+    returned to the slab (a bump allocator): size it for every group the run creates.
     Returns True when this call initialised NVSHMEM, False when it was already up in this
     process (ours or PyTorch's; the PE numbering is checked either way).
     """
@@ -54,6 +62,8 @@ def init(slab_bytes: int = 1 << 30) -> bool:
     if not torch.cuda.is_available():
         raise RuntimeError("torch_odc_backend.nvshmem.init: NVSHMEM needs CUDA GPUs")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if slab_bytes is None:
+        slab_bytes = default_slab_bytes(world) if config.knobs().transport == 1 else 0
     # Every rank must agree whether NVSHMEM is up: a unique id is made (and its bootstrap
     # listener started) only when nobody has initialised it yet.
     states = [None] * world

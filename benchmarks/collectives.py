@@ -198,6 +198,10 @@ class Bench:
         else:
             self.odc_mod = None
         dist.init_process_group(default, timeout=timeout)
+        if args.nvshmem_init:  # before odc's first CUDA collective (ODC_TRANSPORT=nvshmem)
+            from torch_odc_backend import nvshmem as odc_nvshmem
+
+            odc_nvshmem.init()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ref_pg = dist.new_group(backend=self.ref, timeout=timeout)
         self.groups = {self.ref: self.ref_pg}
@@ -680,6 +684,9 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="cpu: smoke test of this script on CPU tensors (cpu:odc vs gloo)")
     p.add_argument("--pg-timeout", type=float, default=300.0)
+    p.add_argument("--nvshmem-init", action="store_true",
+                   help="call torch_odc_backend.nvshmem.init() first (for ODC_TRANSPORT=nvshmem or "
+                        "ODC_HOST_SIZE splits; needs an ODC_WITH_NVSHMEM=1 build)")
     args = p.parse_args(argv)
     bad = [o for o in args.ops if o not in OPS]
     if bad:

@@ -18,9 +18,11 @@
 #   train    benchmarks/train_imbalanced.py on all GPUs: a 2-layer smoke run, then the 1.5B
 #            long-tailed run and the balanced control (TRAIN_ARGS adds arguments to both),
 #            with timeline plots (benchmarks/plot_timeline.py)
-#   nvshmem  rebuild with ODC_WITH_NVSHMEM=1, then tests/test_nvshmem.py and
-#            benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs (the NVSHMEM runtime; the
-#            transport is to come). Run it last: it replaces the built extension.
+#   nvshmem  rebuild with ODC_WITH_NVSHMEM=1, then tests/test_nvshmem.py on all GPUs (runtime,
+#            collectives and decoupled mode with every peer over NVSHMEM, and with 4 GPUs as
+#            2 hosts x 2), benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs, and
+#            benchmarks/collectives.py with ODC_TRANSPORT=nvshmem on all GPUs. Run it last:
+#            it replaces the built extension.
 #   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, odc --decoupled (unless
 #            EXAMPLE_DECOUPLED=0), reference (NCCL)
 #
@@ -185,11 +187,16 @@ stage_nvshmem() {
     if [ "$NGPU" -lt 2 ]; then skip_step nvshmem "only $NGPU GPUs"; return; fi
     run_step nvshmem_build 300 "$OUT/nvshmem_build.log" \
         env ODC_WITH_NVSHMEM=1 MAX_JOBS=${MAX_JOBS:-16} $PY setup.py build_ext --inplace
-    run_step nvshmem_tests 120 "$OUT/nvshmem_tests.log" \
-        env CUDA_VISIBLE_DEVICES=0,1 $PY -m pytest -q -rA tests/test_nvshmem.py
+    run_step nvshmem_tests 240 "$OUT/nvshmem_tests.log" \
+        $PY -m pytest -q -rA tests/test_nvshmem.py
     run_step nvshmem_probe 120 "$OUT/nvshmem_probe.log" \
         env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node=2 benchmarks/nvshmem_probe.py \
             --torch-symm-mem --out-dir "$OUT/benchmarks/results"
+    run_step nvshmem_bench 150 "$OUT/nvshmem_bench.log" \
+        env ODC_TRANSPORT=nvshmem torchrun --standalone --nproc-per-node="$NGPU" benchmarks/collectives.py \
+            --kind "$(kind_for "$NGPU")-nvshmem" --nvshmem-init ${BENCH_ARGS:-}
+    find benchmarks/results -maxdepth 1 -name "collectives_*-nvshmem_*" -newer "$OUT/env.log" \
+        -exec cp -f {} "$OUT/benchmarks/results/" \; 2>/dev/null || true
 }
 
 for stage in "${STAGES[@]}"; do

@@ -200,17 +200,28 @@ Channel& OdcBackend::channel(const c10::Device& device) {
                                                      : static_cast<size_t>(knobs_.small_op_bytes);
       const int acc_blocks =
           knobs_.accumulate_blocks ? knobs_.accumulate_blocks : kDefaultAccumulateBlocks;
+      // Per peer: CUDA IPC on this host; NVSHMEM for peers on other hosts (ODC_HOST_SIZE or
+      // the launcher's LOCAL_WORLD_SIZE), or for every peer with ODC_TRANSPORT=nvshmem.
+      std::vector<int> pes = knobs_.global_ranks;
+      if (pes.empty()) {
+        for (int r = 0; r < getSize(); ++r) pes.push_back(r);
+      }
+      std::vector<bool> routed(getSize(), false);
+      bool any_routed = false;
+      for (int r = 0; r < getSize() && knobs_.transport != 2; ++r) {
+        const int n = knobs_.host_size;
+        routed[r] = r != getRank() &&
+                    (knobs_.transport == 1 || (n > 0 && pes[r] / n != pes[getRank()] / n));
+        any_routed = any_routed || routed[r];
+      }
       std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
-      if (knobs_.transport == 1) {
+      if (knobs_.transport == 1 || any_routed) {
 #ifdef ODC_WITH_NVSHMEM
-        std::vector<int> pes = knobs_.global_ranks;
-        if (pes.empty()) {
-          for (int r = 0; r < getSize(); ++r) pes.push_back(r);
-        }
-        memory = nvshmem::make_memory(std::move(pes), device.index());
+        memory = nvshmem::make_memory(std::move(pes), std::move(routed), device.index());
 #else
-        ODC_CHECK(false, ValueError, "odc: ODC_TRANSPORT=nvshmem needs a build with NVSHMEM "
-                  "(ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
+        ODC_CHECK(false, ValueError, "odc: ",
+                  knobs_.transport == 1 ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
+                  " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
 #endif
       }
       ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks, acc_blocks,
@@ -235,7 +246,7 @@ Channel& OdcBackend::channel(const c10::Device& device) {
     throw;
   } catch (const std::exception& e) {
     ODC_CHECK(false, Error, "odc: could not set up the ",
-              (cuda ? (knobs_.transport == 1 ? "CUDA (NVSHMEM memory)" : "CUDA IPC") : "shared-memory"),
+              (cuda ? "CUDA" : "shared-memory"),
                 " transport of group '", group_name_, "' (", a.layout.total >> 20,
                 " MiB window): ", e.what());
   }

@@ -31,7 +31,8 @@ struct Knobs {
   int accumulate_blocks = 0;  // decoupled put-accumulate kernel, per peer
   int64_t small_op_bytes = -1;  // -1: default; 0: no fused small-op kernel
   bool stream_memops = false;   // CUDA waits/signals as stream memory operations
-  int transport = 0;            // CUDA windows: 0 CUDA IPC, 1 NVSHMEM symmetric heap
+  int transport = 0;  // CUDA peers: 0 auto (NVSHMEM for other hosts), 1 all NVSHMEM, 2 all CUDA IPC
+  int host_size = 0;  // global ranks per host (ranks g, h on one host iff g / n == h / n); 0: one host
   std::vector<int> global_ranks;  // the group's ranks in the default group (NVSHMEM PEs)
 };
 

@@ -48,9 +48,11 @@ PYBIND11_MODULE(_C, m) {
                        std::chrono::milliseconds timeout, std::string group_name,
                        py::object inner_factory, size_t chunk_bytes, int ring_slots,
                        int reduce_blocks, int64_t small_op_bytes, bool stream_memops,
-                       int accumulate_blocks, int transport, std::vector<int> global_ranks) {
+                       int accumulate_blocks, int transport, int host_size,
+                       std::vector<int> global_ranks) {
              odc::Knobs k{chunk_bytes,    ring_slots,    reduce_blocks, accumulate_blocks,
-                          small_op_bytes, stream_memops, transport,     std::move(global_ranks)};
+                          small_op_bytes, stream_memops, transport,     host_size,
+                          std::move(global_ranks)};
              return c10::make_intrusive<odc::OdcBackend>(store, rank, size, timeout,
                                                          std::move(group_name),
                                                          wrap_factory(std::move(inner_factory)), k);
@@ -59,7 +61,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("group_name"), py::arg("inner_factory"), py::arg("chunk_bytes") = 0,
            py::arg("ring_slots") = 0, py::arg("reduce_blocks") = 0,
            py::arg("small_op_bytes") = -1, py::arg("stream_memops") = false,
-           py::arg("accumulate_blocks") = 0, py::arg("transport") = 0,
+           py::arg("accumulate_blocks") = 0, py::arg("transport") = 0, py::arg("host_size") = 0,
            py::arg("global_ranks") = std::vector<int>{})
       .def("stats", &odc::OdcBackend::stats,
            "Counters of this group: one-sided ops and bytes, delegated ops.")

@@ -98,9 +98,41 @@ uint64_t from_bytes(const std::vector<uint8_t>& b) {
   return v;
 }
 
+// Placeholder addresses of routed peers: kRoutedBase + group rank * kRoutedStride + offset
+// in the slab. Far above any user or device address, never dereferenced.
+constexpr uintptr_t kRoutedBase = uintptr_t{1} << 60;
+constexpr uintptr_t kRoutedStride = uintptr_t{1} << 40;  // slabs are far below 1 TiB
+
 class SymmetricMemory final : public DeviceMemory {
  public:
-  explicit SymmetricMemory(std::vector<int> pes) : pes_(std::move(pes)) {}
+  SymmetricMemory(std::vector<int> pes, std::vector<bool> routed)
+      : pes_(std::move(pes)), routed_(std::move(routed)) {
+    for (bool r : routed_) any_routed_ = any_routed_ || r;
+  }
+
+  bool any_routed() const override { return any_routed_; }
+  bool routed(const void* p) const override {
+    return any_routed_ && reinterpret_cast<uintptr_t>(p) >= kRoutedBase;
+  }
+
+  // dst or src is a routed peer's placeholder; the other side is this GPU's memory (on
+  // one host NVSHMEM copies peer-to-peer; to another host the local side must be in the
+  // symmetric heap or registered: not handled yet).
+  void copy_routed(void* dst, const void* src, size_t bytes, cudaStream_t s) override {
+    if (routed(src)) {
+      const auto [pe, sym] = decode(src);
+      nvshmemx_getmem_on_stream(dst, sym, bytes, pe, s);  // complete in stream order
+    } else {
+      const auto [pe, sym] = decode(dst);
+      nvshmemx_putmem_on_stream(sym, src, bytes, pe, s);
+    }
+  }
+
+  void signal_routed(uint64_t* flag, uint64_t value, cudaStream_t s) override {
+    const auto [pe, sym] = decode(flag);
+    nvshmemx_quiet_on_stream(s);  // the puts issued before it have landed at their targets
+    nvshmemx_signal_op_on_stream(static_cast<uint64_t*>(sym), value, NVSHMEM_SIGNAL_SET, pe, s);
+  }
 
   std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
                           const char* what) override {
@@ -140,9 +172,15 @@ class SymmetricMemory final : public DeviceMemory {
     check_cuda(cudaMemset(local, 0, bytes), "zeroing a window");
     check_cuda(cudaDeviceSynchronize(), "zeroing a window");
     for (int r = 0; r < a.world; ++r) {
-      bases[r] = r == a.rank ? local : static_cast<char*>(nvshmem_ptr(local, pes_.at(r)));
-      ODC_CHECK(bases[r] != nullptr, Error, "odc nvshmem: rank ", r, " (PE ", pes_.at(r),
-                ") is not reachable peer-to-peer; NVSHMEM's network path is not implemented yet");
+      if (r == a.rank) {
+        bases[r] = local;
+      } else if (routed_.at(r)) {
+        bases[r] = reinterpret_cast<char*>(kRoutedBase + r * kRoutedStride + off);
+      } else {
+        bases[r] = static_cast<char*>(nvshmem_ptr(local, pes_.at(r)));
+        ODC_CHECK(bases[r] != nullptr, Error, "odc nvshmem: rank ", r, " (PE ", pes_.at(r),
+                  ") is on this host but not reachable peer-to-peer");
+      }
     }
     store_barrier(a, tag + "_nvshmem_zeroed");  // no peer signals into it before it is zeroed
     return bases;
@@ -153,12 +191,21 @@ class SymmetricMemory final : public DeviceMemory {
   }
 
  private:
+  std::pair<int, void*> decode(const void* p) const {
+    const uintptr_t v = reinterpret_cast<uintptr_t>(p) - kRoutedBase;
+    const auto r = static_cast<size_t>(v / kRoutedStride);
+    return {pes_.at(r), slab + v % kRoutedStride};
+  }
+
   std::vector<int> pes_;
+  std::vector<bool> routed_;
+  bool any_routed_ = false;
 };
 
 }  // namespace
 
-std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, int device) {
+std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, std::vector<bool> routed,
+                                          int device) {
   std::lock_guard<std::mutex> lock(init_mu);
   ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED && slab != nullptr, Error,
             "odc: ODC_TRANSPORT=nvshmem: call torch_odc_backend.nvshmem.init() (with slab_bytes "
@@ -172,7 +219,9 @@ std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, int devic
     ODC_CHECK(pe >= 0 && pe < nvshmem_n_pes(), Error, "odc nvshmem: PE ", pe, " is not in the world of ",
               nvshmem_n_pes());
   }
-  return std::make_unique<SymmetricMemory>(std::move(pe_of_rank));
+  ODC_CHECK(routed.size() == pe_of_rank.size(), ValueError, "odc nvshmem: ", routed.size(),
+            " routing flags for ", pe_of_rank.size(), " ranks");
+  return std::make_unique<SymmetricMemory>(std::move(pe_of_rank), std::move(routed));
 }
 
 Status status() {

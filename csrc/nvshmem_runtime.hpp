@@ -33,9 +33,12 @@ std::vector<uint8_t> unique_id();
 // it was already initialised.
 bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device, size_t slab_bytes);
 
-// Windows for the CUDA transport from the slab, mapped peer-to-peer; pe_of_rank[r] is group
-// rank r's PE. Throws if NVSHMEM is not initialised or a peer is not reachable peer-to-peer.
-std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, int device);
+// Windows for the CUDA transport from the slab; pe_of_rank[r] is group rank r's PE. Peers
+// with routed[r] are reached through NVSHMEM's on-stream get / put / signal calls (peers on
+// other hosts, or every peer when ODC_TRANSPORT=nvshmem forces it), the others through
+// peer-to-peer mappings (nvshmem_ptr). Throws if NVSHMEM is not initialised.
+std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, std::vector<bool> routed,
+                                          int device);
 
 struct Status {
   int init_status = 0;  // nvshmemx_init_status(): 0 not initialised ... >= 2 initialised

@@ -132,6 +132,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
     bool ok = wait_value_(s, reinterpret_cast<CUdeviceptr>(bases_[a_.rank]), 0,
                           CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS;
     for (int r = 0; ok && r < a_.world; ++r) {
+      if (memory_->routed(bases_[r])) continue;  // a placeholder address
       ok = write_value_(s, reinterpret_cast<CUdeviceptr>(bases_[r]), 0,
                         CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS;
     }
@@ -414,7 +415,7 @@ void CudaIpcTransport::end_op() {
 // ---- The fused engine.
 
 bool CudaIpcTransport::fusable() const {
-  if (small_op_bytes_ == 0 || a_.world > kFusedMaxLanes ||
+  if (small_op_bytes_ == 0 || memory_->any_routed() || a_.world > kFusedMaxLanes ||
       steps_.size() > static_cast<size_t>(kFusedMaxSteps) ||
       ptrs_.size() > static_cast<size_t>(kFusedMaxPtrs)) {
     return false;
@@ -506,6 +507,11 @@ void CudaIpcTransport::run_on_copy_engines() {
         issue_reduce(s.lane, s.dst, srcs, s.value, s.spec);
         break;
       case kStepAccumulate:
+        if (memory_->routed(s.dst)) {
+          throw std::runtime_error(
+              "decoupled mode's put-accumulate cannot reach a peer over NVSHMEM (it has no "
+              "float atomics): use odc.decouple(model, optimizer, accumulate='local')");
+        }
         issue_prepare(s.lane);
         check(launch_accumulate(static_cast<float*>(s.dst), s.src, s.value, s.spec.dtype,
                                 accumulate_blocks_, lane_stream(s.lane)),
@@ -588,6 +594,28 @@ void CudaIpcTransport::flush_signals(int lane) {
 
 void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flags,
                                     uint64_t value) {
+  if (memory_->any_routed()) {
+    std::vector<uint64_t*> direct;
+    bool prepared = false;
+    for (uint64_t* f : flags) {
+      if (!memory_->routed(f)) {
+        direct.push_back(f);
+        continue;
+      }
+      if (!prepared) {  // after the lane's earlier steps, pending direct signals included
+        issue_prepare(lane);
+        prepared = true;
+      }
+      memory_->signal_routed(f, value, lane_stream(lane));
+    }
+    if (!direct.empty()) issue_direct_signal(lane, direct, value);
+    return;
+  }
+  issue_direct_signal(lane, flags, value);
+}
+
+void CudaIpcTransport::issue_direct_signal(int lane, const std::vector<uint64_t*>& flags,
+                                           uint64_t value) {
   if (wait_value_) {
     // Stream memory operations: written at once, in protocol order. Held back until
     // the lane's next wait, a signal could queue behind a blocked wait of another
@@ -626,6 +654,10 @@ void CudaIpcTransport::fork_lane(int lane) {
 
 void CudaIpcTransport::issue_copy(int lane, void* dst, const void* src, size_t bytes) {
   issue_prepare(lane);
+  if (memory_->routed(dst) || memory_->routed(src)) {
+    memory_->copy_routed(dst, src, bytes, lane_stream(lane));
+    return;
+  }
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, lane_stream(lane)),
         "cudaMemcpyAsync");
 }

@@ -44,6 +44,14 @@ class DeviceMemory {
   virtual std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
                                   const char* what) = 0;
   virtual void close(const TransportArgs& a, std::vector<char*>& bases) = 0;
+
+  // Routed peers (NVSHMEM's API path, e.g. GPUs on other hosts): their bases are placeholder
+  // addresses that no kernel may touch; copies and signals that involve them go through
+  // copy_routed / signal_routed on the lane's stream, in stream order.
+  virtual bool any_routed() const { return false; }
+  virtual bool routed(const void* p) const { return false; }
+  virtual void copy_routed(void* dst, const void* src, size_t bytes, cudaStream_t s) {}
+  virtual void signal_routed(uint64_t* flag, uint64_t value, cudaStream_t s) {}
 };
 
 class CudaIpcTransport final : public Transport {
@@ -109,6 +117,7 @@ class CudaIpcTransport final : public Transport {
   cudaStream_t lane_stream(int lane) const;
   void flush_signals(int lane);
   void issue_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value);
+  void issue_direct_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value);
   void issue_prepare(int lane);
   void fork_lane(int lane);
   void issue_copy(int lane, void* dst, const void* src, size_t bytes);

@@ -43,16 +43,28 @@ def test_gpu_nvshmem_init_once_and_put_with_signal():
 def test_odc_transport_knob(monkeypatch):
     from torch_odc_backend import config
 
-    for raw, code in (("", 0), ("auto", 0), ("ipc", 0), ("NVSHMEM", 1)):
+    for raw, code in (("", 0), ("auto", 0), ("NVSHMEM", 1), ("ipc", 2)):
         monkeypatch.setenv("ODC_TRANSPORT", raw)
         assert config.knobs().transport == code
     monkeypatch.setenv("ODC_TRANSPORT", "ib")
     with pytest.raises(ValueError, match="ODC_TRANSPORT='ib'"):
         config.knobs()
+    monkeypatch.setenv("ODC_TRANSPORT", "auto")
+    monkeypatch.delenv("ODC_HOST_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert config.knobs().host_size == 4  # the launcher's ranks per host
+    monkeypatch.setenv("ODC_HOST_SIZE", "2")
+    assert config.knobs().host_size == 2  # the override wins
+    monkeypatch.setenv("ODC_HOST_SIZE", "0")
+    with pytest.raises(ValueError, match="ODC_HOST_SIZE"):
+        config.knobs()
 
 
 def _collectives_worker(rank, world):
     import torch.distributed as dist
+
+    import fsdp_models as fm
+    from test_decoupled import run_configs
 
     torch.cuda.set_device(rank)
     odc_nvshmem.init()
@@ -63,24 +75,42 @@ def _collectives_worker(rank, world):
     rows = torch.randn(world * 4096, device="cuda", generator=g)
     red = torch.empty(4096, device="cuda")
     dist.reduce_scatter_tensor(red, rows)
-    every = [torch.randn(3 << 20, device="cuda", generator=torch.Generator(device="cuda").manual_seed(100 + r),
-                         dtype=torch.bfloat16) for r in range(world)]
-    rows_of = []
-    for r in range(world):
+    every, rows_of = [], []
+    for r in range(world):  # every rank's draws, in the same order
         gr = torch.Generator(device="cuda").manual_seed(100 + r)
-        torch.randn(3 << 20, device="cuda", generator=gr, dtype=torch.bfloat16)  # same draws as rank r
+        every.append(torch.randn(3 << 20, device="cuda", generator=gr, dtype=torch.bfloat16))
         rows_of.append(torch.randn(world * 4096, device="cuda", generator=gr))
     expect = sum(x.view(world, -1)[rank] for x in rows_of)
     used = odc_nvshmem.status()["slab_used"]  # > 0: the window came from the slab
-    return bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max()), used
+    # FSDP2 in decoupled mode over the same transport (accumulate="local": NVSHMEM has no
+    # float atomics for the owner-side put-accumulate)
+    decoupled = fm.to_wire(run_configs({"bf16_local": dict(mesh=(world,), bf16=True, accumulate="local")},
+                                       "cuda")[0])
+    return bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max()), used, decoupled
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or not odc_nvshmem.available(),
-                    reason="needs >= 2 CUDA GPUs and an ODC_WITH_NVSHMEM=1 build")
-def test_gpu_collectives_over_nvshmem_memory():
-    env = dict(ENV, ODC_TRANSPORT="nvshmem")
-    results = run_distributed(_collectives_worker, 2, backend="cpu:gloo,cuda:odc", env=env, deadline_s=240)
-    for rank, (ag_equal, rs_err, slab_used) in results.items():
+# ODC_TRANSPORT=nvshmem: every peer through NVSHMEM's on-stream calls; ODC_HOST_SIZE=2 on 4
+# GPUs: two "hosts" of two, peer-to-peer within a pair and NVSHMEM across (the mixed path)
+SPLITS = {"all_peers_nvshmem": (2, {"ODC_TRANSPORT": "nvshmem"}),
+          "two_hosts_of_two": (4, {"ODC_HOST_SIZE": "2"})}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_gpu_collectives_and_decoupled_over_nvshmem(split):
+    world, extra = SPLITS[split]
+    if torch.cuda.device_count() < world or not odc_nvshmem.available():
+        pytest.skip(f"needs >= {world} CUDA GPUs and an ODC_WITH_NVSHMEM=1 build")
+    results = run_distributed(_collectives_worker, world, backend="cpu:gloo,cuda:odc",
+                              env=dict(ENV, **extra), deadline_s=300)
+    from test_decoupled import STEPS, TOL
+
+    for rank, (ag_equal, rs_err, slab_used, decoupled) in results.items():
         assert ag_equal, rank
         assert rs_err < 1e-4, (rank, rs_err)
         assert slab_used > 0, "the odc window did not come from NVSHMEM's symmetric heap"
+        cfg = decoupled["bf16_local"]
+        assert "error" not in cfg, f"rank {rank}:\n{cfg.get('error')}"
+        for step in range(STEPS):
+            for pname, ref in cfg["exact"]["grads"][step].items():
+                torch.testing.assert_close(torch.as_tensor(cfg["decoupled"]["grads"][step][pname]),
+                                           torch.as_tensor(ref), **TOL[True])

@@ -60,6 +60,7 @@ def _create_backend(opts, pg_options):
         knobs.stream_memops,
         knobs.accumulate_blocks,
         knobs.transport,
+        knobs.host_size,
         list(opts.global_ranks_in_group or []),
     )
 

@@ -45,7 +45,7 @@ def _int(name: str, lo: int, hi: int) -> int:
     return value
 
 
-_TRANSPORTS = {"": 0, "auto": 0, "ipc": 0, "nvshmem": 1}
+_TRANSPORTS = {"": 0, "auto": 0, "nvshmem": 1, "ipc": 2}
 
 
 def _transport() -> int:
@@ -53,6 +53,15 @@ def _transport() -> int:
     if raw not in _TRANSPORTS:
         raise ValueError(f"ODC_TRANSPORT={raw!r}: expected auto, ipc or nvshmem")
     return _TRANSPORTS[raw]
+
+
+def _host_size() -> int:
+    """Global ranks per host: ODC_HOST_SIZE, else the launcher's LOCAL_WORLD_SIZE (torchrun
+    numbers ranks host by host), else 0 (every rank on one host)."""
+    if os.environ.get("ODC_HOST_SIZE", "").strip():
+        return _int("ODC_HOST_SIZE", 1, 1 << 20)
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,8 @@ class Knobs:
     accumulate_blocks: int  # ODC_ACCUMULATE_BLOCKS: CUDA blocks per peer of decoupled put-accumulate (16)
     small_op_bytes: int  # ODC_SMALL_OP_BYTES: largest copy of a fused one-kernel op (-1: default)
     stream_memops: bool  # ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory operations (0)
-    transport: int  # ODC_TRANSPORT: CUDA windows from CUDA IPC (0: "auto", "ipc") or NVSHMEM (1)
+    transport: int  # ODC_TRANSPORT: CUDA peers over 0 auto (NVSHMEM for other hosts), 1 NVSHMEM, 2 CUDA IPC
+    host_size: int  # ODC_HOST_SIZE (else LOCAL_WORLD_SIZE): global ranks per host; 0: one host
 
 
 def knobs() -> Knobs:
@@ -77,4 +87,5 @@ def knobs() -> Knobs:
         small_op_bytes=_small_op_bytes(),
         stream_memops=_int("ODC_STREAM_MEMOPS", 0, 1) == 1,
         transport=_transport(),
+        host_size=_host_size(),
     )

@@ -200,8 +200,8 @@ Channel& OdcBackend::channel(const c10::Device& device) {
                                                      : static_cast<size_t>(knobs_.small_op_bytes);
       const int acc_blocks =
           knobs_.accumulate_blocks ? knobs_.accumulate_blocks : kDefaultAccumulateBlocks;
-      // Per peer: CUDA IPC on this host; NVSHMEM for peers on other hosts (ODC_HOST_SIZE or
-      // the launcher's LOCAL_WORLD_SIZE), or for every peer with ODC_TRANSPORT=nvshmem.
+      // Per peer: CUDA IPC on this host; NVSHMEM for peers on other hosts (ODC_HOST_SIZE),
+      // or for every peer with ODC_TRANSPORT=nvshmem.
       std::vector<int> pes = knobs_.global_ranks;
       if (pes.empty()) {
         for (int r = 0; r < getSize(); ++r) pes.push_back(r);
@@ -608,6 +608,11 @@ int64_t OdcBackend::arena_create(const c10::Device& device,
                 ValueError, "odc: decoupled: bad sizes for parameter group ", g);
     }
     Channel& ch = channel(device);
+    bool accumulators = false;
+    for (int64_t g : grad_numel) accumulators = accumulators || g > 0;
+    ODC_CHECK(!accumulators || ch.transport->accumulates_everywhere(), ValueError,
+              "odc: decoupled mode's put-accumulate cannot reach peers over NVSHMEM (no float "
+              "atomics): use odc.decouple(model, optimizer, accumulate='local')");
     std::vector<size_t> n(shard_numel.begin(), shard_numel.end());
     std::vector<size_t> e(param_elem_size.begin(), param_elem_size.end());
     std::vector<size_t> gn(grad_numel.begin(), grad_numel.end());

@@ -121,6 +121,8 @@ PYBIND11_MODULE(_C, m) {
     d["n_pes"] = s.n_pes;
     d["slab_bytes"] = s.slab_bytes;
     d["slab_used"] = s.slab_used;
+    d["routed_copies"] = s.routed_copies;
+    d["routed_signals"] = s.routed_signals;
     return d;
   });
   m.def(

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 
@@ -19,6 +20,8 @@ std::mutex init_mu;  // guards the slab too: groups' transports start on several
 char* slab = nullptr;  // symmetric, world-collective; groups sub-allocate windows from it
 size_t slab_size = 0;
 size_t slab_used = 0;  // a bump pointer: windows are never returned (until process exit)
+std::atomic<uint64_t> routed_copies{0};  // observability: routed get / put calls issued
+std::atomic<uint64_t> routed_signals{0};
 
 void check_cuda(cudaError_t e, const char* what) {
   ODC_CHECK(e == cudaSuccess, Error, "odc nvshmem: ", what, " failed: ", cudaGetErrorString(e));
@@ -126,12 +129,17 @@ class SymmetricMemory final : public DeviceMemory {
       const auto [pe, sym] = decode(dst);
       nvshmemx_putmem_on_stream(sym, src, bytes, pe, s);
     }
+    routed_copies.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  void quiet_routed(cudaStream_t s) override {
+    nvshmemx_quiet_on_stream(s);  // the puts issued before it have landed at their targets
   }
 
   void signal_routed(uint64_t* flag, uint64_t value, cudaStream_t s) override {
     const auto [pe, sym] = decode(flag);
-    nvshmemx_quiet_on_stream(s);  // the puts issued before it have landed at their targets
     nvshmemx_signal_op_on_stream(static_cast<uint64_t*>(sym), value, NVSHMEM_SIGNAL_SET, pe, s);
+    routed_signals.fetch_add(1, std::memory_order_relaxed);
   }
 
   std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
@@ -175,6 +183,11 @@ class SymmetricMemory final : public DeviceMemory {
       if (r == a.rank) {
         bases[r] = local;
       } else if (routed_.at(r)) {
+        // A peer NVSHMEM reaches only over the network would need the user's buffers (the
+        // other side of each get / put) registered with NVSHMEM: not implemented yet.
+        ODC_CHECK(nvshmem_ptr(local, pes_.at(r)) != nullptr, Error, "odc nvshmem: rank ", r,
+                  " (PE ", pes_.at(r), ") is reachable only over the network; odc cannot use "
+                  "such peers yet (registration of the user's buffers is not implemented)");
         bases[r] = reinterpret_cast<char*>(kRoutedBase + r * kRoutedStride + off);
       } else {
         bases[r] = static_cast<char*>(nvshmem_ptr(local, pes_.at(r)));
@@ -208,8 +221,8 @@ std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, std::vect
                                           int device) {
   std::lock_guard<std::mutex> lock(init_mu);
   ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED && slab != nullptr, Error,
-            "odc: ODC_TRANSPORT=nvshmem: call torch_odc_backend.nvshmem.init() (with slab_bytes "
-            "> 0) on every rank before the first CUDA collective");
+            "odc: peers over NVSHMEM (ODC_TRANSPORT=nvshmem, or ODC_HOST_SIZE hosts): call "
+            "torch_odc_backend.nvshmem.init() on every rank before the first CUDA collective");
   cudaPointerAttributes attr{};
   check_cuda(cudaPointerGetAttributes(&attr, slab), "cudaPointerGetAttributes");
   ODC_CHECK(attr.device == device, Error, "odc nvshmem: the slab is on cuda:", attr.device,
@@ -234,6 +247,8 @@ Status status() {
   std::lock_guard<std::mutex> lock(init_mu);
   s.slab_bytes = slab_size;
   s.slab_used = slab_used;
+  s.routed_copies = routed_copies.load();
+  s.routed_signals = routed_signals.load();
   return s;
 }
 

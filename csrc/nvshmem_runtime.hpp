@@ -46,6 +46,8 @@ struct Status {
   int n_pes = 0;
   size_t slab_bytes = 0;  // odc's slab of the symmetric heap (0: none)
   size_t slab_used = 0;   // bytes of it handed to groups' windows and arenas
+  uint64_t routed_copies = 0;   // get / put calls issued to routed peers
+  uint64_t routed_signals = 0;  // signals issued to routed peers
 };
 Status status();
 

@@ -103,6 +103,8 @@ class Transport {
     unsupported("decoupled mode");
   }
   virtual void fill_zero(int lane, void* dst, size_t bytes) { unsupported("decoupled mode"); }
+  // Whether accumulate() reaches every peer (NVSHMEM has no float atomics for routed peers).
+  virtual bool accumulates_everywhere() const { return true; }
 
  protected:
   [[noreturn]] static void unsupported(const char* what);

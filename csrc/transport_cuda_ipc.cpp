@@ -604,6 +604,7 @@ void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flag
       }
       if (!prepared) {  // after the lane's earlier steps, pending direct signals included
         issue_prepare(lane);
+        memory_->quiet_routed(lane_stream(lane));
         prepared = true;
       }
       memory_->signal_routed(f, value, lane_stream(lane));

@@ -51,6 +51,8 @@ class DeviceMemory {
   virtual bool any_routed() const { return false; }
   virtual bool routed(const void* p) const { return false; }
   virtual void copy_routed(void* dst, const void* src, size_t bytes, cudaStream_t s) {}
+  // Before a step's routed signals: the lane's earlier routed puts have landed.
+  virtual void quiet_routed(cudaStream_t s) {}
   virtual void signal_routed(uint64_t* flag, uint64_t value, cudaStream_t s) {}
 };
 
@@ -74,6 +76,7 @@ class CudaIpcTransport final : public Transport {
   char* arena(int id, int rank) override { return arenas_.at(id).at(rank); }
   void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) override;
   void fill_zero(int lane, void* dst, size_t bytes) override;
+  bool accumulates_everywhere() const override { return !memory_->any_routed(); }
   void end_op() override;
   std::string async_error() override;
 

@@ -51,10 +51,10 @@ def test_odc_transport_knob(monkeypatch):
         config.knobs()
     monkeypatch.setenv("ODC_TRANSPORT", "auto")
     monkeypatch.delenv("ODC_HOST_SIZE", raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert config.knobs().host_size == 4  # the launcher's ranks per host
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # a nested launch's leftover: not a host split
+    assert config.knobs().host_size == 0
     monkeypatch.setenv("ODC_HOST_SIZE", "2")
-    assert config.knobs().host_size == 2  # the override wins
+    assert config.knobs().host_size == 2
     monkeypatch.setenv("ODC_HOST_SIZE", "0")
     with pytest.raises(ValueError, match="ODC_HOST_SIZE"):
         config.knobs()
@@ -65,6 +65,7 @@ def _collectives_worker(rank, world):
 
     import fsdp_models as fm
     from test_decoupled import run_configs
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch.cuda.set_device(rank)
     odc_nvshmem.init()
@@ -81,12 +82,23 @@ def _collectives_worker(rank, world):
         every.append(torch.randn(3 << 20, device="cuda", generator=gr, dtype=torch.bfloat16))
         rows_of.append(torch.randn(world * 4096, device="cuda", generator=gr))
     expect = sum(x.view(world, -1)[rank] for x in rows_of)
-    used = odc_nvshmem.status()["slab_used"]  # > 0: the window came from the slab
+    st = odc_nvshmem.status()  # windows from the slab; routed gets / puts / signals issued
+    used = (st["slab_used"], st["routed_copies"], st["routed_signals"])
+    # owner-side accumulation cannot reach routed peers: refused before anything runs
+    model, opt = fm.build(init_device_mesh("cuda", (world,)), seed=5, device="cuda")
+    try:
+        import torch_odc_backend as odc
+
+        odc.decouple(model, opt)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
     # FSDP2 in decoupled mode over the same transport (accumulate="local": NVSHMEM has no
     # float atomics for the owner-side put-accumulate)
     decoupled = fm.to_wire(run_configs({"bf16_local": dict(mesh=(world,), bf16=True, accumulate="local")},
                                        "cuda")[0])
-    return bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max()), used, decoupled
+    return (bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max()), used,
+            decoupled, refused)
 
 
 # ODC_TRANSPORT=nvshmem: every peer through NVSHMEM's on-stream calls; ODC_HOST_SIZE=2 on 4
@@ -104,10 +116,12 @@ def test_gpu_collectives_and_decoupled_over_nvshmem(split):
                               env=dict(ENV, **extra), deadline_s=300)
     from test_decoupled import STEPS, TOL
 
-    for rank, (ag_equal, rs_err, slab_used, decoupled) in results.items():
+    for rank, (ag_equal, rs_err, (slab_used, copies, signals), decoupled, refused) in results.items():
         assert ag_equal, rank
         assert rs_err < 1e-4, (rank, rs_err)
         assert slab_used > 0, "the odc window did not come from NVSHMEM's symmetric heap"
+        assert copies > 0 and signals > 0, "no get / put / signal went through NVSHMEM"
+        assert refused is not None and "accumulate='local'" in refused, refused
         cfg = decoupled["bf16_local"]
         assert "error" not in cfg, f"rank {rank}:\n{cfg.get('error')}"
         for step in range(STEPS):

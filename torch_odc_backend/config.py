@@ -56,12 +56,10 @@ def _transport() -> int:
 
 
 def _host_size() -> int:
-    """Global ranks per host: ODC_HOST_SIZE, else the launcher's LOCAL_WORLD_SIZE (torchrun
-    numbers ranks host by host), else 0 (every rank on one host)."""
-    if os.environ.get("ODC_HOST_SIZE", "").strip():
-        return _int("ODC_HOST_SIZE", 1, 1 << 20)
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 0
+    """ODC_HOST_SIZE: global ranks per host (torchrun numbers ranks host by host: set it to
+    the launcher's --nproc-per-node for multi-host runs); 0 / unset: every rank on one host.
+    Not taken from LOCAL_WORLD_SIZE by itself: nested launches inherit that variable."""
+    return _int("ODC_HOST_SIZE", 1, 1 << 20)
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,7 @@ class Knobs:
     small_op_bytes: int  # ODC_SMALL_OP_BYTES: largest copy of a fused one-kernel op (-1: default)
     stream_memops: bool  # ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory operations (0)
     transport: int  # ODC_TRANSPORT: CUDA peers over 0 auto (NVSHMEM for other hosts), 1 NVSHMEM, 2 CUDA IPC
-    host_size: int  # ODC_HOST_SIZE (else LOCAL_WORLD_SIZE): global ranks per host; 0: one host
+    host_size: int  # ODC_HOST_SIZE: global ranks per host; 0: every rank on one host
 
 
 def knobs() -> Knobs:

@@ -4,11 +4,12 @@
     odc_nvshmem.init()                  # collective over the default group, once per process
     odc_nvshmem.ring_selftest(1 << 20)  # put-with-signal to the next PE, checked
 
-With ``ODC_TRANSPORT=nvshmem`` set before the odc groups are created (and ``init()`` called
-on every rank before the first CUDA collective), odc's CUDA windows and decoupled-mode
-arenas come from a slab of NVSHMEM's symmetric heap, mapped peer-to-peer: the same data path
-as CUDA IPC, for peers on one host. Peers on other hosts need NVSHMEM's network path, which
-is not written yet (a group with such a peer is refused).
+With ``ODC_TRANSPORT=nvshmem`` (every peer) or ``ODC_HOST_SIZE`` (peers on other "hosts")
+set before the odc groups are created, and ``init()`` called on every rank before the first
+CUDA collective, odc's CUDA windows and decoupled-mode arenas come from a slab of NVSHMEM's
+symmetric heap, and those peers are reached with NVSHMEM's on-stream get / put / signal
+calls (the others peer-to-peer). A peer that NVSHMEM reaches only over the network is refused
+for now: the user's buffers would have to be registered with NVSHMEM first.
 
 Available when the extension was built with ``ODC_WITH_NVSHMEM=1`` (CUDA builds; NVSHMEM
 from ``$NVSHMEM_HOME`` or the ``nvidia-nvshmem-cu13`` wheel). The NVSHMEM world is the
@@ -50,7 +51,8 @@ def init(slab_bytes: int | None = None) -> bool:
     """Initialise NVSHMEM over the default group (collective; every rank calls it).
 
     Allocates a ``slab_bytes`` slab of the symmetric heap for odc's windows (default: none,
-    or ``default_slab_bytes(world)`` when ``ODC_TRANSPORT=nvshmem``) and, unless the
+    or ``default_slab_bytes(world)`` when ``ODC_TRANSPORT=nvshmem`` or ``ODC_HOST_SIZE``
+    splits the ranks) and, unless the
     environment sets it, ``NVSHMEM_SYMMETRIC_SIZE`` to the slab + 512 MiB. Windows are never
     returned to the slab (a bump allocator): size it for every group the run creates.
     Returns True when this call initialised NVSHMEM, False when it was already up in this
@@ -62,8 +64,10 @@ def init(slab_bytes: int | None = None) -> bool:
     if not torch.cuda.is_available():
         raise RuntimeError("torch_odc_backend.nvshmem.init: NVSHMEM needs CUDA GPUs")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if slab_bytes is None:
-        slab_bytes = default_slab_bytes(world) if config.knobs().transport == 1 else 0
+    if slab_bytes is None:  # odc's windows need the slab when some peer goes over NVSHMEM
+        k = config.knobs()
+        routed = k.transport == 1 or (k.transport == 0 and 0 < k.host_size < world)
+        slab_bytes = default_slab_bytes(world) if routed else 0
     # Every rank must agree whether NVSHMEM is up: a unique id is made (and its bootstrap
     # listener started) only when nobody has initialised it yet.
     states = [None] * world

@@ -15,7 +15,6 @@ the caller's stream. The end-to-end runs suggested only ~4-5 GB/s (benchmarks/NO
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import _meta
 import torch_odc_backend  # noqa: F401  (registers odc)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,15 +95,11 @@ def main() -> int:
             print(f"[accumulate_probe] blocks {r['blocks']:4d}: {r['GBps']:8.2f} GB/s on rank 0, "
                   f"slowest rank {worst:8.3f} ms per call, wrong elements "
                   f"{sum(g[k]['wrong_elements'] for g in gathered)}", flush=True)
-        kind = os.environ.get("ODC_BENCH_KIND", (torch.cuda.get_device_name(device).lower().replace(" ", "-")
-                                                 if use_cuda else "cpu") + f"-x{world}")
-        out = Path(args.out_dir) / f"accumulate_probe_{kind}_{datetime.date.today():%Y%m%d}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
+        kind = _meta.machine_kind(device, world)
+        out = _meta.result_path(args.out_dir, "accumulate_probe", kind)
         out.write_text(json.dumps({"benchmark": "accumulate_probe", "kind": kind, "world_size": world,
                                    "numel": numel, "dtype": args.dtype, "iters": args.iters,
-                                   "torch": torch.__version__, "commit": os.environ.get("ODC_COMMIT", ""),
-                                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                   "per_rank": gathered}, indent=1))
+                                   **_meta.stamp(device), "per_rank": gathered}, indent=1))
         print(f"[accumulate_probe] wrote {out}", flush=True)
     ok = all(r["wrong_elements"] == 0 for g in gathered for r in g)
     dist.destroy_process_group()

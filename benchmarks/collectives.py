@@ -46,7 +46,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -54,6 +53,7 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch_odc_backend  # noqa: E402  (registers "odc"; imported before CUDA initialises)
+from _meta import git_commit, slug  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = [(1 << i) * MiB for i in range(10)]  # 1 MiB .. 512 MiB
@@ -86,27 +86,6 @@ def size_label(nbytes: int) -> str:
         if nbytes >= unit and nbytes % unit == 0:
             return f"{nbytes // unit}{name}"
     return f"{nbytes}B"
-
-
-def git_commit() -> tuple[str, bool | None]:
-    """($ODC_COMMIT, None) when set (a copied working tree may carry a stale .git), else
-    (commit, dirty) from git, else ('unknown', None)."""
-    if os.environ.get("ODC_COMMIT"):
-        return os.environ["ODC_COMMIT"], None
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=10)
-        if head.returncode == 0 and head.stdout.strip():
-            st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True, timeout=10)
-            return head.stdout.strip(), bool(st.stdout.strip()) if st.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("ODC_COMMIT", "unknown"), None
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
 def _median(xs):

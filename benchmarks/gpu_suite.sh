@@ -134,12 +134,8 @@ stage_bench() {
         run_step "bench_${n}gpu" 150 "$OUT/bench_${n}gpu.log" \
             env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" \
             torchrun --standalone --nproc-per-node="$n" benchmarks/collectives.py \
-                --kind "$(kind_for "$n")" ${BENCH_ARGS:-}
-        # copy what was written even after a failure (the JSON is rewritten after every size)
-        find benchmarks/results -maxdepth 1 -name "collectives_$(kind_for "$n")_*" \
-            \( -name '*.json' -o -name '*.png' \) -newer "$OUT/env.log" \
-            -exec cp -f {} "$OUT/benchmarks/results/" \; 2>/dev/null || true
-    done
+                --kind "$(kind_for "$n")" --out-dir "$OUT/benchmarks/results" ${BENCH_ARGS:-}
+    done  # the JSON is rewritten after every size: a failed run still leaves what it measured
 }
 
 stage_example() {
@@ -194,9 +190,8 @@ stage_nvshmem() {
             --torch-symm-mem --out-dir "$OUT/benchmarks/results"
     run_step nvshmem_bench 150 "$OUT/nvshmem_bench.log" \
         env ODC_TRANSPORT=nvshmem torchrun --standalone --nproc-per-node="$NGPU" benchmarks/collectives.py \
-            --kind "$(kind_for "$NGPU")-nvshmem" --nvshmem-init ${BENCH_ARGS:-}
-    find benchmarks/results -maxdepth 1 -name "collectives_*-nvshmem_*" -newer "$OUT/env.log" \
-        -exec cp -f {} "$OUT/benchmarks/results/" \; 2>/dev/null || true
+            --kind "$(kind_for "$NGPU")-nvshmem" --nvshmem-init --out-dir "$OUT/benchmarks/results" \
+            ${BENCH_ARGS:-}
 }
 
 for stage in "${STAGES[@]}"; do

@@ -14,7 +14,6 @@ Rank 0 writes ``benchmarks/results/nvshmem_probe_<kind>_<date>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import _meta
 import torch_odc_backend  # noqa: F401  (registers odc; eager module loading)
 from torch_odc_backend import nvshmem as odc_nvshmem
 
@@ -69,13 +69,10 @@ def main() -> int:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res)
     if dist.get_rank() == 0:
-        kind = os.environ.get("ODC_BENCH_KIND", f"{torch.cuda.get_device_name().lower().replace(' ', '-')}"
-                                                f"-x{dist.get_world_size()}")
-        out = Path(args.out_dir) / f"nvshmem_probe_{kind}_{datetime.date.today():%Y%m%d}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"benchmark": "nvshmem_probe", "kind": kind, "torch": torch.__version__,
-                                   "commit": os.environ.get("ODC_COMMIT", ""),
-                                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device = torch.device("cuda", local)
+        kind = _meta.machine_kind(device, dist.get_world_size())
+        out = _meta.result_path(args.out_dir, "nvshmem_probe", kind)
+        out.write_text(json.dumps({"benchmark": "nvshmem_probe", "kind": kind, **_meta.stamp(device),
                                    "env": {k: v for k, v in os.environ.items() if k.startswith(("NVSHMEM_", "ODC_"))},
                                    "per_rank": gathered}, indent=1))
         print(f"[nvshmem_probe] wrote {out}", flush=True)

@@ -134,7 +134,7 @@ def main():
     rank = int(os.environ["RANK"])
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
-    import datetime, faulthandler, sys
+    import datetime, faulthandler
     faulthandler.enable()
     faulthandler.dump_traceback_later(int(os.environ.get("QC_DUMP_S", "100")), exit=False)
     dist.init_process_group("cpu:gloo,cuda:odc",

@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -54,6 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import _meta
 import torch_odc_backend as odc
 from torch_odc_backend import balance
 
@@ -315,8 +315,9 @@ def calibrate(model, args, device, cpu_group) -> tuple[balance.FittedCost, list[
     return fit, [{"lengths": lengths, "seconds": t} for (lengths, _), t in zip(samples, mean)]
 
 
-def analyse(results, plans, docs, cost, world):
-    """Fitted per-microbatch time, ideal speedup and bubble rates (in place)."""
+def analyse(results, plans_by, docs, cost, world):
+    """Fitted per-microbatch time, ideal speedup and bubble rates (in place). plans_by:
+    the LB-Micro and LB-Mini plans ("lbmicro", "lbmini"), per minibatch."""
     dec = results["decoupled_lbmini"]
     samples = [(d, e - s) for rank_lines in dec["timelines"] for line in rank_lines
                for what, s, e, _, d, _ix in line if what == "micro"]
@@ -332,12 +333,12 @@ def analyse(results, plans, docs, cost, world):
     # plan_stats prices an empty (padding) microbatch at 0; the run executes an 8-token dummy
     sync_time = sum(balance.plan_stats([[mb or [len(d)] for mb in rank_plan] for rank_plan in p],
                                        d + [8], fitted)["sync_time"]
-                    for p, d in zip(plans["exact_lbmicro"], docs))
+                    for p, d in zip(plans_by["lbmicro"], docs))
     decoupled_time = sum(balance.plan_stats(p, d, fitted)["decoupled_time"]
-                         for p, d in zip(plans["decoupled_lbmini"], docs))
-    for name, res in results.items():
-        busy = sum(fitted([docs[k][i] for i in mb]) for k, p in enumerate(plans[name])
-                   for rank_plan in p for mb in rank_plan if mb)
+                         for p, d in zip(plans_by["lbmini"], docs))
+    for name, res in results.items():  # busy: the fitted time of the real (non-padding) work
+        busy = sum(sum(balance.plan_stats(p, d, fitted)["per_rank_cost"])
+                   for p, d in zip(plans_by[name.rsplit("_", 1)[1]], docs))
         res["bubble_rate"] = max(0.0, 1.0 - busy / (world * sum(res["step_times_s"])))
     return fit, sync_time / decoupled_time
 
@@ -396,22 +397,15 @@ def main() -> int:
                      vocab_size=512, intermediate_size=512)
         build = lambda: SmallPackedLM(shape["vocab_size"], shape["hidden_size"],  # noqa: E731
                                       shape["num_attention_heads"], shape["num_hidden_layers"])
-        cost = balance.TransformerCost(hidden_size=128, num_layers=shape["num_hidden_layers"],
-                                       intermediate_size=512, num_heads=4, vocab_size=512,
-                                       gated_mlp=False)
+        cost = balance.TransformerCost.from_hf_config(SimpleNamespace(**shape), gated_mlp=False)
     else:
         shape = dict(QWEN2_1_5B if model_kind == "qwen2-1.5b" else QWEN2_TINY)
         if args.layers:
             shape["num_hidden_layers"] = args.layers
         ac = not args.no_activation_checkpointing
         build = lambda: PackedQwen2(shape, ac, args.loss_chunk)  # noqa: E731
-        cost = balance.TransformerCost(hidden_size=shape["hidden_size"],
-                                       num_layers=shape["num_hidden_layers"],
-                                       intermediate_size=shape["intermediate_size"],
-                                       num_heads=shape["num_attention_heads"],
-                                       num_kv_heads=shape["num_key_value_heads"],
-                                       vocab_size=shape["vocab_size"],
-                                       linear_training_factor=4.0 if ac else 3.0)
+        cost = balance.TransformerCost.from_hf_config(SimpleNamespace(**shape),
+                                                      linear_training_factor=4.0 if ac else 3.0)
     args.vocab = shape["vocab_size"]
 
     cpu_group = dist.new_group(backend="gloo")
@@ -425,14 +419,18 @@ def main() -> int:
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if use_cuda else MixedPrecisionPolicy())
 
-    calibration = None
-    if args.cost == "fitted":
-        torch.manual_seed(args.seed)
+    def build_sharded(mesh):
+        torch.manual_seed(args.seed)  # the same initial weights every time
         with device:
             model = build()
         for layer in model.layers():
-            fully_shard(layer, mesh=meshes["odc"], mp_policy=mp)
-        fully_shard(model, mesh=meshes["odc"], mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+
+    calibration = None
+    if args.cost == "fitted":
+        model = build_sharded(meshes["odc"])
         cost, calibration = calibrate(model, args, device, cpu_group)
         del model
         if rank == 0:
@@ -441,9 +439,10 @@ def main() -> int:
 
     docs = [make_documents(args.docs_per_step, args.seed * 100 + s, args.balanced, args.mean_len,
                            args.max_tokens) for s in range(args.steps)]
-    planners = {"lbmicro": balance.lb_micro, "lbmini": balance.lb_mini}
-    plans = {name: [planners[name.rsplit("_", 1)[1]](d, world, args.max_tokens, cost) for d in docs]
-             for name in names}
+    # one plan per planner; a configuration's planner is its name's suffix
+    plans_by = {"lbmicro": [balance.lb_micro(d, world, args.max_tokens, cost) for d in docs],
+                "lbmini": [balance.lb_mini(d, world, args.max_tokens, cost) for d in docs]}
+    plans = {name: plans_by[name.rsplit("_", 1)[1]] for name in names}
     if rank == 0:
         n_tokens = sum(map(sum, docs))
         print(f"[train_imbalanced] {model_kind} ({shape['num_hidden_layers']} layers) on {world} x "
@@ -459,14 +458,9 @@ def main() -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             used_before = torch.cuda.mem_get_info(device)
-        torch.manual_seed(args.seed)  # the same initial weights for every configuration
-        with device:
-            model = build()
-        n_params = sum(q.numel() for q in model.parameters())
         mesh = meshes["reference" if name.startswith("reference") else "odc"]
-        for layer in model.layers():
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        model = build_sharded(mesh)
+        n_params = sum(q.numel() for q in model.parameters())  # global: DTensor numel
         moved_by = next(model.parameters()).device_mesh.get_group()._get_backend(device).name()
         if moved_by != ("odc" if mesh is meshes["odc"] else ref_backend):
             raise RuntimeError(f"{name}: the parameters' mesh moves {device.type} tensors with {moved_by}")
@@ -490,10 +484,9 @@ def main() -> int:
             busy = after["busy_s"] - before["busy_s"]
             wait = after["sync_wait_s"] - before["sync_wait_s"]
             res.update(odc_busy_s=busy, odc_sync_wait_s=wait, odc_bubble_rate=wait / (busy + wait))
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, res, group=cpu_group)
-        lines = [None] * world
-        dist.all_gather_object(lines, timelines, group=cpu_group)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (res, timelines), group=cpu_group)
+        per_rank, lines = [g[0] for g in gathered], [g[1] for g in gathered]
         merged = {"step_times_s": [max(r["local_step_times_s"][k] for r in per_rank) for k in range(len(times))],
                   "loss_per_step": [sum(r["local_losses"][k] for r in per_rank) for k in range(len(times))],
                   "per_rank": per_rank, "timelines": lines,
@@ -519,7 +512,7 @@ def main() -> int:
     summary = {}
     timed_docs = docs[1:]
     if "decoupled_lbmini" in results and "exact_lbmicro" in results:
-        timed_plans = {n: pl[1:] for n, pl in plans.items()}
+        timed_plans = {n: pl[1:] for n, pl in plans_by.items()}
         fit, ideal = analyse(results, timed_plans, timed_docs, cost, world)
         summary.update(microbatch_time_fit=fit, ideal_speedup=ideal)
         base = results.get("reference_lbmicro", results["exact_lbmicro"])
@@ -539,27 +532,14 @@ def main() -> int:
         for k, v in summary.items():
             if not isinstance(v, dict):
                 print(f"[train_imbalanced] {k}: {v:.3f}" if isinstance(v, float) else f"[train_imbalanced] {k}: {v}")
-        print(f"[train_imbalanced] bubble rate: "
+        print("[train_imbalanced] bubble rate: "
               + ", ".join(f"{n} {100 * b:.1f}%" for n, b in summary.get("bubble_rate", {}).items()), flush=True)
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                    text=True, timeout=10).stdout.strip()
-        except OSError:
-            commit = ""
-        default_kind = (f"{torch.cuda.get_device_name(device).lower().replace(' ', '-')}-x{world}"
-                        if use_cuda else f"cpu-x{world}")
-        kind = os.environ.get("ODC_BENCH_KIND", default_kind)
-        date = datetime.date.today().strftime("%Y%m%d")
-        out = Path(args.out_dir) / f"train_imbalanced_{kind}{'_balanced' if args.balanced else ''}_{date}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
+        kind = _meta.machine_kind(device, world)
+        out = _meta.result_path(args.out_dir, "train_imbalanced", kind, "_balanced" if args.balanced else "")
         out.write_text(json.dumps({
             "benchmark": "train_imbalanced", "kind": kind, "world_size": world, "model": model_kind,
             "model_shape": shape, "parameters": n_params, "device": str(device.type),
-            "gpu": torch.cuda.get_device_name(device) if use_cuda else None,
-            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
-            "commit": os.environ.get("ODC_COMMIT") or commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "args": vars(args), "calibration": calibration,
+            **_meta.stamp(device), "args": vars(args), "calibration": calibration,
             "cost_model": (dataclasses.asdict(cost) if dataclasses.is_dataclass(cost) else str(cost)),
             "documents": docs, "results": results, "summary": summary}, indent=1))
         print(f"[train_imbalanced] wrote {out}", flush=True)

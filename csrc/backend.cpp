@@ -24,8 +24,6 @@ namespace odc {
 namespace {
 
 constexpr size_t kDefaultChunkCpu = 1 << 20;
-constexpr size_t kDefaultChunkCuda = 32 << 20;
-constexpr int kDefaultSlots = 4;
 constexpr int kDefaultReduceBlocks = 16;
 constexpr int kDefaultAccumulateBlocks = 16;
 constexpr size_t kDefaultSmallOpBytes = 1 << 20;

@@ -24,6 +24,10 @@ namespace odc {
 
 using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::string&)>;
 
+// Ring defaults (ODC_CHUNK_BYTES / ODC_RING_SLOTS unset); Python sizes NVSHMEM's slab from them.
+constexpr size_t kDefaultChunkCuda = 32 << 20;
+constexpr int kDefaultSlots = 4;
+
 struct Knobs {
   size_t chunk_bytes = 0;  // 0: per-device default
   int ring_slots = 0;

@@ -98,7 +98,9 @@ PYBIND11_MODULE(_C, m) {
 
 #ifdef ODC_WITH_NVSHMEM
   m.attr("built_with_nvshmem") = true;
-  // NVSHMEM runtime (torch_odc_backend.nvshmem wraps these); the transport is to come.
+  m.attr("default_chunk_bytes_cuda") = odc::kDefaultChunkCuda;
+  m.attr("default_ring_slots") = odc::kDefaultSlots;
+  // NVSHMEM runtime (torch_odc_backend.nvshmem wraps these).
   m.def("nvshmem_unique_id", [] {
     const auto id = odc::nvshmem::unique_id();
     return py::bytes(reinterpret_cast<const char*>(id.data()), id.size());

@@ -195,8 +195,7 @@ class SymmetricMemory final : public DeviceMemory {
                   ") is on this host but not reachable peer-to-peer");
       }
     }
-    store_barrier(a, tag + "_nvshmem_zeroed");  // no peer signals into it before it is zeroed
-    return bases;
+    return bases;  // the transport barriers before any peer may signal into it
   }
 
   void close(const TransportArgs&, std::vector<char*>& bases) override {

@@ -170,14 +170,7 @@ uint64_t* Arena::flag_in(int owner, ArenaLayout::Flag kind, int index) {
   return reinterpret_cast<uint64_t*>(base(owner) + layout_.flag(kind, index));
 }
 
-void Arena::check_group(int group) const {
-  if (group < 0 || static_cast<size_t>(group) >= layout_.numel.size()) {
-    throw std::out_of_range("odc: unknown decoupled parameter group " + std::to_string(group));
-  }
-}
-
 void Arena::publish(int group, const void* shard) {
-  check_group(group);
   t_->copy(0, base(rank_) + layout_.pub_off[group], shard, layout_.pub_bytes[group]);
 }
 
@@ -188,7 +181,6 @@ void Arena::announce(uint64_t epoch) {
 }
 
 void Arena::get(int group, void* out, uint64_t epoch, uint64_t op_seq) {
-  check_group(group);
   char* out_b = static_cast<char*>(out);
   const size_t bytes = layout_.pub_bytes[group];
   for (int i = 0; i < world_; ++i) {
@@ -201,7 +193,6 @@ void Arena::get(int group, void* out, uint64_t epoch, uint64_t op_seq) {
 }
 
 void Arena::accumulate(int group, const void* in, DType dtype) {
-  check_group(group);
   const size_t n = layout_.grad_numel[group];
   const size_t elem = dtype == DType::F32 ? 4 : 2;
   const char* in_b = static_cast<const char*>(in);
@@ -226,7 +217,6 @@ void Arena::finish(uint64_t epoch, uint64_t op_seq) {
 }
 
 void Arena::take(int group, float* out) {
-  check_group(group);
   float* acc = reinterpret_cast<float*>(base(rank_) + layout_.acc_off[group]);
   const size_t bytes = layout_.grad_numel[group] * sizeof(float);
   t_->copy(0, out, acc, bytes);

@@ -167,6 +167,7 @@ struct ArenaLayout {
 // announced the epoch), accumulate() adds into owners' accumulators (never waits).
 // finish() is the minibatch's one synchronisation; take() then reads and clears this
 // rank's accumulator; publish() + announce() make the next epoch's shards readable.
+// Group indices are validated by the caller (OdcBackend::arena_at).
 class Arena {
  public:
   Arena(int rank, int world, ArenaLayout layout, Transport* transport, int id);
@@ -181,7 +182,6 @@ class Arena {
 
  private:
   uint64_t* flag_in(int owner, ArenaLayout::Flag kind, int index);
-  void check_group(int group) const;
 
   char* base(int rank) { return t_->arena(id_, rank); }
 

@@ -506,12 +506,7 @@ void CudaIpcTransport::run_on_copy_engines() {
         srcs.assign(ptrs_.begin() + s.first, ptrs_.begin() + s.first + s.n);
         issue_reduce(s.lane, s.dst, srcs, s.value, s.spec);
         break;
-      case kStepAccumulate:
-        if (memory_->routed(s.dst)) {
-          throw std::runtime_error(
-              "decoupled mode's put-accumulate cannot reach a peer over NVSHMEM (it has no "
-              "float atomics): use odc.decouple(model, optimizer, accumulate='local')");
-        }
+      case kStepAccumulate:  // never to a routed peer: refused when the arena is created
         issue_prepare(s.lane);
         check(launch_accumulate(static_cast<float*>(s.dst), s.src, s.value, s.spec.dtype,
                                 accumulate_blocks_, lane_stream(s.lane)),
@@ -549,15 +544,8 @@ void CudaIpcTransport::launch_flags(int lane, const std::vector<const uint64_t*>
                                     const std::vector<int>& peers, uint64_t target,
                                     const WaitSite* site) {
   fork_lane(lane);
-  if (wait_value_) {  // stream memory operations: no kernel, no SM
+  if (wait_value_) {  // stream memory operations: no kernel, no SM (signals went out at once)
     const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
-    for (uint64_t* f : pending_[lane]) {
-      if (write_value_(s, reinterpret_cast<CUdeviceptr>(f), pending_value_[lane],
-                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
-        throw std::runtime_error("odc: cuStreamWriteValue64 failed");
-      }
-    }
-    pending_[lane].clear();
     for (size_t i = 0; i < waits.size(); ++i) {
       if (wait_value_(s, reinterpret_cast<CUdeviceptr>(waits[i]), target,
                       CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {

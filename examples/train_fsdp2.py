@@ -35,7 +35,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-import torch_odc_backend  # noqa: E402,F401  (registers "odc"; import it before CUDA initialises)
+import torch_odc_backend as odc  # noqa: E402  (registers "odc"; import it before CUDA initialises)
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -189,11 +189,7 @@ def main(argv=None) -> int:
     fully_shard(model, **fsdp_kwargs)
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    if args.decoupled:
-        if "odc" not in pg_backend:
-            sys.exit("--decoupled needs the odc backend (--backend odc)")
-        import torch_odc_backend as odc
-
+    if args.decoupled:  # (odc.decouple refuses a model that is not on an odc mesh)
         odc.decouple(model, opt, accumulate=args.accumulate)  # the first of the two lines decoupled mode adds
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -16,6 +16,9 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+# Every GPU run keeps NVLink multicast off (the GPU machines require it)
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
 
 def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, queue):
     try:

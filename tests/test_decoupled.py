@@ -196,6 +196,19 @@ def _worker(rank, world, configs):
     return fm.to_wire(out)
 
 
+def assert_grads_match(cfg, tol, rank):
+    """After every sync, decoupled mode's gradients equal exact mode's (frozen: none)."""
+    for step in range(STEPS):
+        for pname, ref in cfg["exact"]["grads"][step].items():
+            got = cfg["decoupled"]["grads"][step][pname]
+            if ref is None:  # frozen
+                assert got is None, f"rank {rank} step {step}: frozen {pname} got a gradient"
+                continue
+            assert got is not None, f"rank {rank} step {step}: {pname} has no gradient after sync"
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(ref), **tol,
+                                       msg=lambda m: f"rank {rank} step {step} grad {pname}: {m}")
+
+
 @pytest.fixture(scope="module")
 def run():
     return run_once(lambda world: run_distributed(_worker, world, CONFIGS[world], backend="cpu:odc",
@@ -210,15 +223,7 @@ def test_decoupled_equals_exact(run, world, name):
         assert "error" not in cfg, f"rank {rank}:\n{cfg.get('error')}"
         tol = TOL[CONFIGS[world][name].get("bf16", False)]
         exact, dec = cfg["exact"], cfg["decoupled"]
-        for step in range(STEPS):
-            for pname, ref in exact["grads"][step].items():
-                got = dec["grads"][step][pname]
-                if ref is None:  # frozen
-                    assert got is None, f"rank {rank} step {step}: frozen {pname} got a gradient"
-                    continue
-                assert got is not None, f"rank {rank} step {step}: {pname} has no gradient after sync"
-                torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(ref), **tol,
-                                           msg=lambda m: f"rank {rank} step {step} grad {pname}: {m}")
+        assert_grads_match(cfg, tol, rank)
         for pname, ref in exact["params"].items():
             torch.testing.assert_close(torch.as_tensor(dec["params"][pname]), torch.as_tensor(ref),
                                        **tol, msg=lambda m: f"rank {rank} param {pname}: {m}")

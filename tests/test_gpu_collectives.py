@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import torch_odc_backend  # noqa: F401  (registers "odc" in this process too)
-from dist_utils import run_distributed
+from dist_utils import GPU_ENV, run_distributed
 from test_collectives import (AG_DTYPES, FLOATS, RS_OPS, ag_case, check_case, check_close,
                               check_equal, rs_case, wait)
 from test_errors import PEER, check_peer_failure, expect_error, record_failure, wait_for_survivors
@@ -16,7 +16,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 
 
 BACKEND = "cpu:gloo,cuda:odc"
 # NVLink multicast must stay off on shared hosts.
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SMALL_GPU_RING = {"ODC_CHUNK_BYTES": str(256 << 10), "ODC_RING_SLOTS": "2"}
 BIG = 64 << 20  # bytes: all-gather output / reduce-scatter input of the largest case
 # NCCL (through torch 2.11) returns near-zero garbage for bf16 PREMUL_SUM: torch hands NCCL

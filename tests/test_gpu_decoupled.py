@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_utils import run_distributed
-from test_decoupled import STEPS, TOL, run_configs
+from dist_utils import GPU_ENV, run_distributed
+from test_decoupled import TOL, assert_grads_match, run_configs
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")
 
@@ -17,7 +17,6 @@ CONFIGS = {"fp32_1d": dict(mesh=(N,)), "bf16_1d": dict(mesh=(N,), bf16=True),
            "bf16_1d_local_accumulate": dict(mesh=(N,), bf16=True, accumulate="local")}
 if N >= 4 and N % 2 == 0:
     CONFIGS["bf16_hsdp"] = dict(mesh=(2, N // 2), dims=("replicate", "shard"), bf16=True)
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _worker(rank, world):
@@ -27,7 +26,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_worker, N, backend="cpu:gloo,cuda:odc", env=ENV, deadline_s=400)
+    return run_distributed(_worker, N, backend="cpu:gloo,cuda:odc", env=GPU_ENV, deadline_s=400)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -35,10 +34,4 @@ def test_gpu_decoupled_equals_exact(results, name):
     for rank in sorted(results):
         cfg = results[rank][name]
         assert "error" not in cfg, f"rank {rank}:\n{cfg.get('error')}"
-        tol = TOL[CONFIGS[name].get("bf16", False)]
-        for step in range(STEPS):
-            for pname, ref in cfg["exact"]["grads"][step].items():
-                got = cfg["decoupled"]["grads"][step][pname]
-                assert got is not None, f"rank {rank} step {step}: {pname} has no gradient after sync"
-                torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(ref), **tol,
-                                           msg=lambda m: f"rank {rank} step {step} grad {pname}: {m}")
+        assert_grads_match(cfg, TOL[CONFIGS[name].get("bf16", False)], rank)

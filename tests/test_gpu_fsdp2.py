@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_utils import run_distributed
+from dist_utils import GPU_ENV, run_distributed
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")
 
@@ -18,8 +18,7 @@ if N >= 4 and N % 2 == 0:
     HSDP = dict(mesh=(2, N // 2), dims=("replicate", "shard"))
     CONFIGS.update(bf16_hsdp=dict(HSDP, bf16=True), fp32_hsdp=dict(HSDP, grad_accum=2))
 ODC, REF = "cpu:gloo,cuda:odc", "nccl"
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-       "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+ENV = dict(GPU_ENV, CUBLAS_WORKSPACE_CONFIG=":4096:8")
 # fp32: as on CPU, only the summation order inside a reduction may differ from NCCL's.
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 # bf16 params / fp32 reduction: a few-ulp fp32 difference in a master weight can flip

@@ -121,6 +121,19 @@ def _check_fits(lengths: Sequence[int], max_tokens: int) -> None:
             raise ValueError(f"sample {i} has {length} tokens, more than max_tokens={max_tokens}")
 
 
+def _check_rank(rank: Any, world_size: int) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    return rank
+
+
+def _check_mode(mode: Any) -> Callable[..., Plan]:
+    """The planner of ``mode`` ("lb_mini" or "lb_micro")."""
+    if mode not in _PLANNERS:
+        raise ValueError(f"mode must be one of {sorted(_PLANNERS)}, got {mode!r}")
+    return _PLANNERS[mode]
+
+
 def _check_costs(costs: Iterable[Any]) -> list[float]:
     out = []
     for i, value in enumerate(costs):
@@ -603,12 +616,8 @@ def microbatches(lengths: Sequence[int], world_size: int, rank: int, max_tokens:
             loss_fn(model(pack([samples[i] for i in micro]))).backward()
         odc.sync(model)
     """
-    if mode not in _PLANNERS:
-        raise ValueError(f"mode must be one of {sorted(_PLANNERS)}, got {mode!r}")
-    _check_positive_int(world_size, "world_size")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-    return _PLANNERS[mode](lengths, world_size, max_tokens, cost)[rank]
+    planner = _check_mode(mode)
+    return planner(lengths, world_size, max_tokens, cost)[_check_rank(rank, world_size)]
 
 
 # --------------------------------------------------------------------------- data loading
@@ -636,9 +645,7 @@ class BalancedBatchSampler(Sampler[list[list[int]]]):
                  shuffle: bool = True, drop_last: bool = False) -> None:
         self.lengths = _check_lengths(lengths)
         self.world_size = _check_positive_int(world_size, "world_size")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-        self.rank = rank
+        self.rank = _check_rank(rank, world_size)
         self.max_tokens = _check_positive_int(max_tokens, "max_tokens")
         for i, length in enumerate(self.lengths):
             if length > max_tokens:
@@ -648,8 +655,7 @@ class BalancedBatchSampler(Sampler[list[list[int]]]):
         if not callable(cost):
             raise ValueError(f"cost must be callable (a cost model), got {cost!r}")
         self.cost = cost
-        if mode not in _PLANNERS:
-            raise ValueError(f"mode must be one of {sorted(_PLANNERS)}, got {mode!r}")
+        _check_mode(mode)
         self.mode = mode
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")

@@ -55,6 +55,13 @@ def _state_of(model: torch.nn.Module) -> "DecoupledState | None":
     return model.__dict__.get(_STATE_ATTR)
 
 
+def _require_state(model: torch.nn.Module, api: str) -> "DecoupledState":
+    state = _state_of(model)
+    if state is None:
+        raise RuntimeError(f"{api}: the model is not in decoupled mode (call odc.decouple first)")
+    return state
+
+
 class _Group:
     """One FSDP module's parameter group: its layout and its comm objects."""
 
@@ -79,8 +86,14 @@ class _Group:
         self.trainable = [p.requires_grad for p in policy.params]
         self.grad_numel = sum(n for n, t in zip(self.padded, self.trainable) if t)
         self.versions = None  # the local shards' version counters when last published
-        self.local_acc = None  # accumulate="local": this rank's summed reduce-scatter inputs (fp32)
-        self.local_event = None  # recorded after the last add into local_acc (CUDA)
+        # accumulate="local": this rank's summed reduce-scatter inputs (fp32), and an event
+        # recorded after each add (FSDP2 runs them on its own stream; sync waits on it)
+        self.local_acc = self.local_event = None
+        if state.accumulate == "local":
+            self.local_acc = torch.zeros(state.world * self.grad_numel, dtype=torch.float32,
+                                         device=state.device)
+            if state.device.type == "cuda":
+                self.local_event = torch.cuda.Event()
 
     def refresh(self) -> None:
         self.params = _fsdp_adapter.group_policy(self.module).params
@@ -146,17 +159,12 @@ class _ReduceScatter:
         if st.accumulate == "local":
             g = self.group
             with _range("odc.local_accumulate"), st._fail_on_error():
-                if g.local_acc is None:
-                    g.local_acc = torch.zeros(st.world * g.grad_numel, dtype=torch.float32,
-                                              device=input_tensor.device)
                 g.local_acc.add_(input_tensor.reshape(-1))
-                if g.local_acc.is_cuda:  # sync reads it on another stream (FSDP2 runs this on its own)
-                    g.local_event = torch.cuda.Event()
+                if g.local_event is not None:
                     g.local_event.record()
         else:
             with _range("odc.put_accumulate"), st._fail_on_error():
                 st.backend.arena_accumulate(st.arena, self.group.index, input_tensor.contiguous())
-        st.contributions += 1
         return None
 
 
@@ -178,6 +186,8 @@ class DecoupledState:
         self.shard_dim = self.mesh.ndim - 1
         self.shard_pg = self.mesh.get_group(self.shard_dim)
         self.replicate_pg = self.mesh.get_group(0) if self.mesh.ndim == 2 else None
+        if self.replicate_pg is not None and self.replicate_pg.size() == 1:
+            self.replicate_pg = None  # nothing to all-reduce
         backend = self.shard_pg._get_backend(self.device)
         if not isinstance(backend, OdcBackend):
             raise ValueError(f"odc.decouple: the model's mesh moves {self.device.type} tensors with "
@@ -196,7 +206,6 @@ class DecoupledState:
         self.epoch = 1
         self.synced = False
         self.broken = ""
-        self.contributions = 0
         # observability: wall time working vs waiting in sync, per minibatch and in total
         self._since = time.perf_counter()
         self.totals = {"busy_s": 0.0, "sync_wait_s": 0.0, "minibatches": 0}
@@ -281,8 +290,7 @@ class DecoupledState:
             stream = torch.cuda.current_stream(self.device)
             for g in self.groups:  # accumulate="local": the adds ran on FSDP2's stream
                 if g.local_event is not None:
-                    stream.wait_event(g.local_event)
-                    g.local_event = None
+                    stream.wait_event(g.local_event)  # a no-op before the first record
             stream.synchronize()
         t0 = time.perf_counter()
         self.backend.arena_finish(self.arena, self.epoch)
@@ -292,10 +300,8 @@ class DecoupledState:
             if self.accumulate == "owner":
                 self.backend.arena_take(self.arena, g.index, acc)
             else:  # one reduce-scatter of the local sums (zeros from a rank without backward)
-                local = g.local_acc if g.local_acc is not None else torch.zeros(
-                    self.world * g.grad_numel, dtype=torch.float32, device=self.device)
-                dist.reduce_scatter_tensor(acc, local, group=self.shard_pg)
-                local.zero_()
+                dist.reduce_scatter_tensor(acc, g.local_acc, group=self.shard_pg)
+                g.local_acc.zero_()
             accs.append(acc)
         if self.accumulate == "local" and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the wait includes the reduce-scatters
@@ -309,7 +315,7 @@ class DecoupledState:
         log.info("odc sync epoch %d: busy %.3fs, waited %.3fs in sync (bubble %.1f%%)",
                  self.epoch, busy, wait, 100 * self.last["bubble_rate"])
         for g, acc in zip(self.groups, accs):
-            if self.replicate_pg is not None and self.replicate_pg.size() > 1:
+            if self.replicate_pg is not None:
                 dist.all_reduce(acc, group=self.replicate_pg)
             acc.div_(self.dp_size)  # FSDP2's default: the mean over the data-parallel ranks
             off = 0
@@ -325,7 +331,6 @@ class DecoupledState:
                 else:
                     p.grad.to_local().add_(val)
         self.synced = True
-        self.contributions = 0
 
 
 def decouple(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -346,15 +351,9 @@ def decouple(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
 def sync(model: torch.nn.Module) -> None:
     """End a minibatch in decoupled mode (collective): afterwards every sharded parameter's
     ``.grad`` holds the minibatch's gradient, as FSDP2 would have produced it."""
-    state = _state_of(model)
-    if state is None:
-        raise RuntimeError("odc.sync: the model is not in decoupled mode (call odc.decouple first)")
-    state.sync()
+    _require_state(model, "odc.sync").sync()
 
 
 def metrics(model: torch.nn.Module) -> dict:
     """Decoupled-mode timing of this rank (see DecoupledState.metrics)."""
-    state = _state_of(model)
-    if state is None:
-        raise RuntimeError("odc.metrics: the model is not in decoupled mode (call odc.decouple first)")
-    return state.metrics()
+    return _require_state(model, "odc.metrics").metrics()

@@ -44,7 +44,9 @@ def default_slab_bytes(world: int) -> int:
     (world + 1) x ODC_RING_SLOTS x ODC_CHUNK_BYTES. Decoupled-mode arenas need more (6 bytes
     per parameter / shard-group size under bf16 mixed precision): pass slab_bytes then."""
     k = config.knobs()
-    return 2 * (world + 1) * (k.ring_slots or 4) * (k.chunk_bytes or 32 << 20) + (64 << 20)
+    slots = k.ring_slots or _C.default_ring_slots
+    chunk = k.chunk_bytes or _C.default_chunk_bytes_cuda
+    return 2 * (world + 1) * slots * chunk + (64 << 20)
 
 
 def init(slab_bytes: int | None = None) -> bool:

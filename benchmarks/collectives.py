@@ -7,8 +7,12 @@ Run under torchrun on N GPUs of one host:
     torchrun --standalone --nproc-per-node=2 benchmarks/collectives.py --sizes 1M,64M --no-gemm
 
 Two process groups are used: the default one, "cpu:gloo,cuda:odc", and
-``dist.new_group(backend="nccl")``. Trials of the two backends are interleaved
-(and their order alternated) so that clock or thermal drift hits both alike.
+``dist.new_group(backend="nccl")``. Trials of the backends are interleaved
+(and their order alternated) so that clock or thermal drift hits all alike.
+``--odc-nvshmem`` adds a third, "odc_nvshmem": an odc group created with
+ODC_TRANSPORT=nvshmem, whose every peer goes through NVSHMEM's on-stream calls
+(needs an ODC_WITH_NVSHMEM=1 build): odc over CUDA IPC, odc over NVSHMEM and
+NCCL side by side in one run.
 
 Measured, in bf16, for each size (size = total output bytes of the all-gather
 = total input bytes of the reduce-scatter; in-place all-gather as FSDP2 issues
@@ -115,10 +119,12 @@ def plot_results(json_path: str | os.PathLike, png_path: str | os.PathLike | Non
     ref = data.get("reference_backend", "nccl")
     rows = [r for r in data.get("rows", []) if r.get("op") in OPS and r.get("busbw_GBps") is not None]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
-    styles = {"odc": dict(color="tab:red", marker="o"), ref: dict(color="tab:blue", marker="s")}
+    styles = {"odc": dict(color="tab:red", marker="o"), "odc_nvshmem": dict(color="tab:green", marker="^"),
+              ref: dict(color="tab:blue", marker="s")}
+    backends = [b for b in ("odc", "odc_nvshmem", ref) if any(r["backend"] == b for r in rows)]
     all_sizes = sorted({r["size_bytes"] for r in rows})
     for ax, op in zip(axes, OPS):
-        for backend in ("odc", ref):
+        for backend in backends:
             pts = sorted((r["size_bytes"], r["busbw_GBps"]) for r in rows
                          if r["op"] == op and r["backend"] == backend)
             if pts:
@@ -177,16 +183,31 @@ class Bench:
         else:
             self.odc_mod = None
         dist.init_process_group(default, timeout=timeout)
-        if args.nvshmem_init:  # before odc's first CUDA collective (ODC_TRANSPORT=nvshmem)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.nvshmem = None
+        if args.nvshmem_init or args.odc_nvshmem:  # before odc's first CUDA collective
             from torch_odc_backend import nvshmem as odc_nvshmem
 
-            odc_nvshmem.init()
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            self.nvshmem = odc_nvshmem
+            odc_nvshmem.init(slab_bytes=odc_nvshmem.default_slab_bytes(self.world)
+                             if args.odc_nvshmem else None)
         self.ref_pg = dist.new_group(backend=self.ref, timeout=timeout)
         self.groups = {self.ref: self.ref_pg}
         if use_odc:
             self.groups["odc"] = dist.group.WORLD
-        self.order = [b for b in ("odc", self.ref) if b in self.groups]
+        if use_odc and args.odc_nvshmem:
+            # the transport knob is read when a group is created: this group's peers all go
+            # through NVSHMEM, the default group's stay peer-to-peer
+            before = os.environ.get("ODC_TRANSPORT")
+            os.environ["ODC_TRANSPORT"] = "nvshmem"
+            try:
+                self.groups["odc_nvshmem"] = dist.new_group(backend="cpu:gloo,cuda:odc", timeout=timeout)
+            finally:
+                if before is None:
+                    os.environ.pop("ODC_TRANSPORT")
+                else:
+                    os.environ["ODC_TRANSPORT"] = before
+        self.order = [b for b in ("odc", "odc_nvshmem", self.ref) if b in self.groups]
         self.rows: list[dict] = []
         self.errors: list[str] = []
         self.dtype = torch.bfloat16
@@ -216,7 +237,9 @@ class Bench:
             "date": date.isoformat(timespec="seconds"),
             "python": sys.version.split()[0],
             "reference_backend": self.ref,
-            "process_groups": {"odc": default if use_odc else None, self.ref: f"new_group(backend={self.ref!r})"},
+            "process_groups": {"odc": default if use_odc else None, self.ref: f"new_group(backend={self.ref!r})",
+                               **({"odc_nvshmem": "new_group(backend='cpu:gloo,cuda:odc') created under "
+                                                  "ODC_TRANSPORT=nvshmem"} if "odc_nvshmem" in self.groups else {})},
             "dtype": "bf16",
             "all_gather_inplace": True,
             "reduce_scatter_op": "SUM",
@@ -234,6 +257,10 @@ class Bench:
                      f"backends {self.order}, writing {self.json_path}")
 
     # ---------------------------------------------------------------- basics
+    def others(self) -> list[str]:
+        """The backends compared with the reference (odc, odc_nvshmem)."""
+        return [b for b in self.order if b != self.ref]
+
     def log(self, msg: str):
         if self.rank == 0:
             print(f"[collectives {time.time() - self.started:7.1f}s] {msg}", flush=True)
@@ -321,8 +348,9 @@ class Bench:
         del out
         for b, t in got.items():
             res[f"ag_equal_expected_{b}"] = self.all_true(torch.equal(t, expected))
-        if "odc" in got and self.ref in got:
-            res[f"ag_equal_odc_vs_{self.ref}"] = self.all_true(torch.equal(got["odc"], got[self.ref]))
+        for b in self.others():
+            if b in got and self.ref in got:
+                res[f"ag_equal_{b}_vs_{self.ref}"] = self.all_true(torch.equal(got[b], got[self.ref]))
         del got, expected
         # Reduce-scatter on small integers: exact in bf16 whatever the summation order.
         inputs = [torch.randint(-8, 9, (numel,), generator=self._gen(2000 + q), device=self.device,
@@ -344,8 +372,9 @@ class Bench:
                     res[f"rs_{name}_error_{b}"] = traceback.format_exc(limit=3)
             for b, t in got.items():
                 res[f"rs_{name}_equal_expected_{b}"] = self.all_true(torch.equal(t, exp))
-            if "odc" in got and self.ref in got:
-                res[f"rs_{name}_equal_odc_vs_{self.ref}"] = self.all_true(torch.equal(got["odc"], got[self.ref]))
+            for b in self.others():
+                if b in got and self.ref in got:
+                    res[f"rs_{name}_equal_{b}_vs_{self.ref}"] = self.all_true(torch.equal(got[b], got[self.ref]))
         if self.cuda:
             torch.cuda.synchronize()
         return res
@@ -496,39 +525,41 @@ class Bench:
         ref = self.ref
         by = {(r["op"], r["backend"], r["size_bytes"]): r for r in self.rows if r["op"] in OPS}
         s: dict = {}
-        ratio: dict = {}
-        lat1: dict = {}
-        min4: dict = {}
-        peak: dict = {}
-        for op in OPS:
-            sizes = sorted({k[2] for k in by if k[0] == op})
-            ratio[op] = {}
-            for sz in sizes:
-                o, c = by.get((op, "odc", sz)), by.get((op, ref, sz))
-                if o and c and c["busbw_GBps"]:
-                    ratio[op][size_label(sz)] = o["busbw_GBps"] / c["busbw_GBps"]
-            big = [ratio[op][size_label(sz)] for sz in sizes if sz >= 4 * MiB and size_label(sz) in ratio[op]]
-            min4[op] = min(big) if big else None
-            o, c = by.get((op, "odc", MiB)), by.get((op, ref, MiB))
-            lat1[op] = o["latency_us"] / c["latency_us"] if o and c else None
-            peak[op] = {b: max((r["busbw_GBps"] for k, r in by.items() if k[0] == op and k[1] == b),
-                               default=None) for b in self.order}
-        s[f"busbw_ratio_odc_vs_{ref}"] = ratio
-        s["min_busbw_ratio_ge_4MiB"] = min4
-        s[f"latency_ratio_odc_vs_{ref}_1MiB"] = lat1
-        s["peak_busbw_GBps"] = peak
+        for b in self.others():  # keys of the odc group keep their names; others add theirs
+            ratio: dict = {}
+            lat1: dict = {}
+            min4: dict = {}
+            for op in OPS:
+                sizes = sorted({k[2] for k in by if k[0] == op})
+                ratio[op] = {}
+                for sz in sizes:
+                    o, c = by.get((op, b, sz)), by.get((op, ref, sz))
+                    if o and c and c["busbw_GBps"]:
+                        ratio[op][size_label(sz)] = o["busbw_GBps"] / c["busbw_GBps"]
+                big = [ratio[op][size_label(sz)] for sz in sizes
+                       if sz >= 4 * MiB and size_label(sz) in ratio[op]]
+                min4[op] = min(big) if big else None
+                o, c = by.get((op, b, MiB)), by.get((op, ref, MiB))
+                lat1[op] = o["latency_us"] / c["latency_us"] if o and c else None
+            suffix = "" if b == "odc" else f"_{b}"
+            s[f"busbw_ratio_{b}_vs_{ref}"] = ratio
+            s[f"min_busbw_ratio_ge_4MiB{suffix}"] = min4
+            s[f"latency_ratio_{b}_vs_{ref}_1MiB"] = lat1
+        s["peak_busbw_GBps"] = {op: {b: max((r["busbw_GBps"] for k, r in by.items() if k[0] == op and k[1] == b),
+                                            default=None) for b in self.order} for op in OPS}
         gemm = [r for r in self.rows if r["op"] == "gemm"]
         if gemm:
             slow: dict = {}
-            gratio: dict = {}
             for g in gemm:
                 if g["backend"] != "alone":
                     slow.setdefault(g["backend"], {})[g["ag_size"]] = g["slowdown"]
-            for label in slow.get("odc", {}):
-                so, sc = slow["odc"][label], slow.get(ref, {}).get(label)
-                gratio[label] = so / sc if sc is not None and sc > 0 else None
             s["gemm_slowdown"] = slow
-            s[f"gemm_slowdown_ratio_odc_vs_{ref}"] = gratio
+            for b in self.others():
+                gratio: dict = {}
+                for label in slow.get(b, {}):
+                    so, sc = slow[b][label], slow.get(ref, {}).get(label)
+                    gratio[label] = so / sc if sc is not None and sc > 0 else None
+                s[f"gemm_slowdown_ratio_{b}_vs_{ref}"] = gratio
         checks = [r for r in self.rows if r["op"] == "check"]
         flags = [v for r in checks for k, v in r.items() if "_equal_" in k]
         s["all_checks_passed"] = bool(flags) and all(flags) and not any(
@@ -553,6 +584,8 @@ class Bench:
                     break
                 except Exception:  # noqa: BLE001
                     pass
+        if self.nvshmem is not None:  # slab use and routed get / put / signal counts
+            doc["nvshmem_status"] = self.nvshmem.status()
         tmp = self.json_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         tmp.replace(self.json_path)
@@ -560,19 +593,23 @@ class Bench:
     def print_table(self):
         if self.rank != 0:
             return
-        ref = self.ref
+        ref, others = self.ref, self.others()
         by = {(r["op"], r["backend"], r["size_bytes"]): r for r in self.rows if r["op"] in OPS}
-        print(f"\n{'op':<15}{'size':>8} | {'odc us':>9} {ref + ' us':>9} | {'odc busbw':>10} "
-              f"{ref + ' busbw':>11} | {'ratio':>6}")
+
+        def f(row, key, w, p):
+            return f"{row[key]:{w}.{p}f}" if row else " " * (w - 3) + "n/a"
+        w = max(11, *(len(b) + 6 for b in self.order))
+        print(f"\n{'op':<15}{'size':>8} | " + " ".join(f"{b + ' us':>{w}}" for b in self.order) + " | "
+              + " ".join(f"{b + ' busbw':>{w}}" for b in self.order) + " | "
+              + " ".join(f"{b + '/' + ref:>{w}}" for b in others))
         for op in OPS:
             for sz in sorted({k[2] for k in by if k[0] == op}):
-                o, c = by.get((op, "odc", sz)), by.get((op, ref, sz))
-
-                def f(row, key, w, p):
-                    return f"{row[key]:{w}.{p}f}" if row else " " * (w - 3) + "n/a"
-                ratio = f"{o['busbw_GBps'] / c['busbw_GBps']:6.2f}" if o and c else "   n/a"
-                print(f"{op:<15}{size_label(sz):>8} | {f(o, 'latency_us', 9, 1)} {f(c, 'latency_us', 9, 1)} | "
-                      f"{f(o, 'busbw_GBps', 10, 1)} {f(c, 'busbw_GBps', 11, 1)} | {ratio}")
+                rows = {b: by.get((op, b, sz)) for b in self.order}
+                c = rows[ref]
+                ratios = " ".join(f"{rows[b]['busbw_GBps'] / c['busbw_GBps']:{w}.2f}" if rows[b] and c
+                                  else " " * (w - 3) + "n/a" for b in others)
+                print(f"{op:<15}{size_label(sz):>8} | " + " ".join(f(rows[b], "latency_us", w, 1) for b in self.order)
+                      + " | " + " ".join(f(rows[b], "busbw_GBps", w, 1) for b in self.order) + " | " + ratios)
         for g in (r for r in self.rows if r["op"] == "gemm"):
             print(f"gemm {g['gemm_n']} with {g['ag_size']} all-gather [{g['backend']:>5}]: "
                   f"{g['gemm_ms_per_iter']:.3f} ms/iter, slowdown {100 * g['slowdown']:6.2f}%"
@@ -663,6 +700,9 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="cpu: smoke test of this script on CPU tensors (cpu:odc vs gloo)")
     p.add_argument("--pg-timeout", type=float, default=300.0)
+    p.add_argument("--odc-nvshmem", action="store_true",
+                   help="also measure an odc group whose peers all go through NVSHMEM (odc_nvshmem; "
+                        "needs an ODC_WITH_NVSHMEM=1 build)")
     p.add_argument("--nvshmem-init", action="store_true",
                    help="call torch_odc_backend.nvshmem.init() first (for ODC_TRANSPORT=nvshmem or "
                         "ODC_HOST_SIZE splits; needs an ODC_WITH_NVSHMEM=1 build)")

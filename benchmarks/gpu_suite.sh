@@ -20,9 +20,10 @@
 #            with timeline plots (benchmarks/plot_timeline.py)
 #   nvshmem  rebuild with ODC_WITH_NVSHMEM=1, then tests/test_nvshmem.py on all GPUs (runtime,
 #            collectives and decoupled mode with every peer over NVSHMEM, and with 4 GPUs as
-#            2 hosts x 2), benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs, and
-#            benchmarks/collectives.py with ODC_TRANSPORT=nvshmem on all GPUs. Run it last:
-#            it replaces the built extension.
+#            2 hosts x 2), benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs,
+#            benchmarks/collectives.py --odc-nvshmem on all GPUs (odc over CUDA IPC, odc over
+#            NVSHMEM and NCCL in one run) and, on 4+ GPUs, with ODC_HOST_SIZE splitting them
+#            into two hosts. Run it last: it replaces the built extension.
 #   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, odc --decoupled (unless
 #            EXAMPLE_DECOUPLED=0), reference (NCCL)
 #
@@ -188,10 +189,17 @@ stage_nvshmem() {
     run_step nvshmem_probe 120 "$OUT/nvshmem_probe.log" \
         env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node=2 benchmarks/nvshmem_probe.py \
             --torch-symm-mem --out-dir "$OUT/benchmarks/results"
-    run_step nvshmem_bench 150 "$OUT/nvshmem_bench.log" \
-        env ODC_TRANSPORT=nvshmem torchrun --standalone --nproc-per-node="$NGPU" benchmarks/collectives.py \
-            --kind "$(kind_for "$NGPU")-nvshmem" --nvshmem-init --out-dir "$OUT/benchmarks/results" \
+    # odc over CUDA IPC, odc with every peer over NVSHMEM, and NCCL, side by side
+    run_step nvshmem_bench 200 "$OUT/nvshmem_bench.log" \
+        torchrun --standalone --nproc-per-node="$NGPU" benchmarks/collectives.py \
+            --kind "$(kind_for "$NGPU")-ipc-nvshmem" --odc-nvshmem --out-dir "$OUT/benchmarks/results" \
             ${BENCH_ARGS:-}
+    if [ "$NGPU" -ge 4 ]; then  # two "hosts": peer-to-peer within, NVSHMEM across
+        run_step nvshmem_bench_2hosts 150 "$OUT/nvshmem_bench_2hosts.log" \
+            env ODC_HOST_SIZE=$(( NGPU / 2 )) torchrun --standalone --nproc-per-node="$NGPU" \
+                benchmarks/collectives.py --kind "$(kind_for "$NGPU")-2hosts" --nvshmem-init \
+                --out-dir "$OUT/benchmarks/results" ${BENCH_ARGS:-}
+    fi
 }
 
 for stage in "${STAGES[@]}"; do

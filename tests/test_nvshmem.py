@@ -81,6 +81,7 @@ def _collectives_worker(rank, world):
         every.append(torch.randn(3 << 20, device="cuda", generator=gr, dtype=torch.bfloat16))
         rows_of.append(torch.randn(world * 4096, device="cuda", generator=gr))
     expect = sum(x.view(world, -1)[rank] for x in rows_of)
+    sub = _cross_host_subgroup_check(rank, world) if world == 4 else None
     st = odc_nvshmem.status()  # windows from the slab; routed gets / puts / signals issued
     used = (st["slab_used"], st["routed_copies"], st["routed_signals"])
     # owner-side accumulation cannot reach routed peers: refused before anything runs
@@ -97,7 +98,27 @@ def _collectives_worker(rank, world):
     decoupled = fm.to_wire(run_configs({"bf16_local": dict(mesh=(world,), bf16=True, accumulate="local")},
                                        "cuda")[0])
     return (bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max()), used,
-            decoupled, refused)
+            decoupled, refused, sub)
+
+
+def _cross_host_subgroup_check(rank, world):
+    """Groups [0, 2] and [1, 3] span both "hosts" of ODC_HOST_SIZE=2: group rank 1 of [1, 3]
+    is PE 3, so a wrong group-rank-to-PE mapping moves the wrong rank's data."""
+    import torch.distributed as dist
+
+    groups = {r: dist.new_group([r % 2, r % 2 + 2]) for r in (0, 1)}  # every rank creates both
+    group, members = groups[rank % 2], [rank % 2, rank % 2 + 2]
+    mine = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    out = torch.empty(2 << 20, device="cuda")
+    dist.all_gather_into_tensor(out, mine, group=group)
+    rows = torch.arange(2 << 10, device="cuda", dtype=torch.float32) * (rank + 1)
+    red = torch.empty(1 << 10, device="cuda")
+    dist.reduce_scatter_tensor(red, rows, group=group)
+    me = members.index(rank)
+    expect_red = sum(torch.arange(2 << 10, device="cuda", dtype=torch.float32)[me << 10:(me + 1) << 10]
+                     * (m + 1) for m in members)
+    gathered_ok = all(bool((out[i << 20:(i + 1) << 20] == m + 1).all()) for i, m in enumerate(members))
+    return gathered_ok, bool(torch.equal(red, expect_red))
 
 
 # ODC_TRANSPORT=nvshmem: every peer through NVSHMEM's on-stream calls; ODC_HOST_SIZE=2 on 4
@@ -115,8 +136,10 @@ def test_gpu_collectives_and_decoupled_over_nvshmem(split):
                               env=dict(GPU_ENV, **extra), deadline_s=300)
     from test_decoupled import TOL, assert_grads_match
 
-    for rank, (ag_equal, rs_err, (slab_used, copies, signals), decoupled, refused) in results.items():
+    for rank, (ag_equal, rs_err, (slab_used, copies, signals), decoupled, refused, sub) in results.items():
         assert ag_equal, rank
+        if sub is not None:
+            assert sub == (True, True), f"rank {rank}: cross-host sub-group (all-gather, reduce-scatter) {sub}"
         assert rs_err < 1e-4, (rank, rs_err)
         assert slab_used > 0, "the odc window did not come from NVSHMEM's symmetric heap"
         assert copies > 0 and signals > 0, "no get / put / signal went through NVSHMEM"
@@ -124,3 +147,38 @@ def test_gpu_collectives_and_decoupled_over_nvshmem(split):
         cfg = decoupled["bf16_local"]
         assert "error" not in cfg, f"rank {rank}:\n{cfg.get('error')}"
         assert_grads_match(cfg, TOL[True], rank)
+
+
+def _torch_first_worker(rank, world):
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    torch.cuda.set_device(rank)
+    symm_mem.set_backend("NVSHMEM")  # PyTorch initialises NVSHMEM first, over the world
+    t = symm_mem.empty(1024, device="cuda")
+    symm_mem.rendezvous(t, dist.group.WORLD.group_name)
+    up_before = odc_nvshmem.status()["init_status"] >= 2  # one NVSHMEM in the process
+    fresh = odc_nvshmem.init(slab_bytes=odc_nvshmem.default_slab_bytes(world))
+    selftest = odc_nvshmem.ring_selftest(1 << 20)
+    os.environ["ODC_TRANSPORT"] = "nvshmem"  # read when the group is created
+    group = dist.new_group(backend="cpu:gloo,cuda:odc")
+    mine = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    out = torch.empty(world << 20, device="cuda")
+    dist.all_gather_into_tensor(out, mine, group=group)
+    ok = all(bool((out[i << 20:(i + 1) << 20] == i + 1).all()) for i in range(world))
+    return up_before, fresh, selftest["mismatched_bytes"], ok, odc_nvshmem.status()["routed_copies"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not odc_nvshmem.available(),
+                    reason="needs >= 2 CUDA GPUs and an ODC_WITH_NVSHMEM=1 build")
+def test_gpu_nvshmem_joins_pytorch_symmetric_memory():
+    """PyTorch's symmetric memory (NVSHMEM backend) initialises NVSHMEM first; odc joins it
+    (init returns False), carves its slab from the same heap and runs collectives over it.
+    The other order is benchmarks/nvshmem_probe.py --torch-symm-mem."""
+    results = run_distributed(_torch_first_worker, 2, backend="cpu:gloo,cuda:nccl", env=GPU_ENV,
+                              deadline_s=240)
+    for rank, (up_before, fresh, mismatched, ok, routed) in results.items():
+        assert up_before and fresh is False, (rank, up_before, fresh)
+        assert mismatched == 0 and ok and routed > 0, (rank, mismatched, ok, routed)

@@ -278,8 +278,9 @@ class DecoupledState:
             self._sync()
 
     def metrics(self) -> dict:
-        """This rank's time: busy (between syncs) and waiting in sync, last minibatch and
-        in total; bubble_rate = waiting / (busy + waiting)."""
+        """This rank's time: busy (between syncs) and in sync (waiting for the other ranks,
+        then writing the gradients), last minibatch and in total; bubble_rate = sync /
+        (busy + sync)."""
         t = self.totals
         total = t["busy_s"] + t["sync_wait_s"]
         return {**{f"last_{k}": v for k, v in self.last.items()}, **t,
@@ -294,7 +295,8 @@ class DecoupledState:
             stream.synchronize()
         t0 = time.perf_counter()
         self.backend.arena_finish(self.arena, self.epoch)
-        accs = []
+        # One group at a time: the gradient temporaries add at most the largest group's size
+        # to peak memory (FSDP2 already holds the zero gradients its reduce-scatters made).
         for g in self.groups:
             acc = torch.empty(g.grad_numel, dtype=torch.float32, device=self.device)
             if self.accumulate == "owner":
@@ -302,19 +304,6 @@ class DecoupledState:
             else:  # one reduce-scatter of the local sums (zeros from a rank without backward)
                 dist.reduce_scatter_tensor(acc, g.local_acc, group=self.shard_pg)
                 g.local_acc.zero_()
-            accs.append(acc)
-        if self.accumulate == "local" and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the wait includes the reduce-scatters
-        t1 = time.perf_counter()
-        busy, wait = t0 - self._since, t1 - t0
-        self.last = {"busy_s": busy, "sync_wait_s": wait,
-                     "bubble_rate": wait / (busy + wait) if busy + wait > 0 else 0.0}
-        self.totals["busy_s"] += busy
-        self.totals["sync_wait_s"] += wait
-        self.totals["minibatches"] += 1
-        log.info("odc sync epoch %d: busy %.3fs, waited %.3fs in sync (bubble %.1f%%)",
-                 self.epoch, busy, wait, 100 * self.last["bubble_rate"])
-        for g, acc in zip(self.groups, accs):
             if self.replicate_pg is not None:
                 dist.all_reduce(acc, group=self.replicate_pg)
             acc.div_(self.dp_size)  # FSDP2's default: the mean over the data-parallel ranks
@@ -330,6 +319,18 @@ class DecoupledState:
                                                 shape=p.shape, stride=p.stride())
                 else:
                     p.grad.to_local().add_(val)
+            del acc
+        if self.device.type == "cuda":  # the wait includes the reduce-scatters and all-reduces
+            torch.cuda.current_stream(self.device).synchronize()
+        t1 = time.perf_counter()
+        busy, wait = t0 - self._since, t1 - t0
+        self.last = {"busy_s": busy, "sync_wait_s": wait,
+                     "bubble_rate": wait / (busy + wait) if busy + wait > 0 else 0.0}
+        self.totals["busy_s"] += busy
+        self.totals["sync_wait_s"] += wait
+        self.totals["minibatches"] += 1
+        log.info("odc sync epoch %d: busy %.3fs, %.3fs in sync (bubble %.1f%%)",
+                 self.epoch, busy, wait, 100 * self.last["bubble_rate"])
         self.synced = True
 
 

@@ -37,6 +37,7 @@ compared with ``sum over minibatches of the slowest rank's LB-Mini total``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -267,6 +268,41 @@ def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, fir
 
 # --------------------------------------------------------------------------- analysis
 
+@contextlib.contextmanager
+def profiled(enabled: bool):
+    """torch.profiler over the block (CUDA kernels only), or nothing."""
+    if not enabled:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield prof
+
+
+def kernel_summary(prof, top: int = 25) -> dict:
+    """GPU time per kernel name (the ``top`` largest, names cut to 120 characters), and each
+    odc kernel's count, total, median and max duration: where the time of a step goes."""
+    from torch.autograd import DeviceType
+
+    per_name: dict = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        per_name.setdefault(e.name, []).append(us)
+    rows = sorted(((n, len(v), sum(v)) for n, v in per_name.items()), key=lambda r: -r[2])
+    out = {"total_kernel_ms": sum(r[2] for r in rows) / 1e3,
+           "top": [{"name": n[:120], "count": c, "total_ms": t / 1e3} for n, c, t in rows[:top]],
+           "odc": {}}
+    for n, v in per_name.items():
+        if "odc" in n or "accumulate" in n:
+            v = sorted(v)
+            out["odc"][n[:120]] = {"count": len(v), "total_ms": sum(v) / 1e3,
+                                   "median_us": v[len(v) // 2], "max_us": v[-1]}
+    return out
+
+
 def fit_time(samples, cost) -> tuple[float, float]:
     """Least squares ``t = a + s * cost(lengths)`` over (lengths, seconds) samples."""
     import numpy as np
@@ -364,6 +400,10 @@ def main() -> int:
                    help="planning cost model: fitted to timed microbatches before the runs, or "
                         "TransformerCost FLOPs")
     p.add_argument("--balanced", action="store_true", help="constant document lengths (control)")
+    p.add_argument("--profile", action="store_true",
+                   help="diagnosis, not a benchmark: run the timed steps under torch.profiler and "
+                        "record per configuration and rank the GPU kernels' time by name (tokens/s "
+                        "then include the profiler's overhead)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args()
@@ -470,9 +510,12 @@ def main() -> int:
         plan = plans[name]
         train_steps(model, opt, plan[:1], docs[:1], args, decoupled, device, cpu_group)  # warm-up
         before = odc.metrics(model) if decoupled else None
-        times, timelines, losses = train_steps(model, opt, plan[1:], docs[1:], args, decoupled,
-                                               device, cpu_group, first_step=1)
+        with profiled(args.profile and use_cuda) as prof:
+            times, timelines, losses = train_steps(model, opt, plan[1:], docs[1:], args, decoupled,
+                                                   device, cpu_group, first_step=1)
         res = {"local_step_times_s": times, "local_losses": losses}
+        if prof is not None:
+            res["kernels"] = kernel_summary(prof)
         if use_cuda:
             free, total = torch.cuda.mem_get_info(device)
             res.update(peak_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30,

@@ -404,6 +404,7 @@ def main() -> int:
                    help="diagnosis, not a benchmark: run the timed steps under torch.profiler and "
                         "record per configuration and rank the GPU kernels' time by name (tokens/s "
                         "then include the profiler's overhead)")
+    p.add_argument("--trace-dir", default=None, help="with --profile: also write Chrome traces there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args()
@@ -516,6 +517,9 @@ def main() -> int:
         res = {"local_step_times_s": times, "local_losses": losses}
         if prof is not None:
             res["kernels"] = kernel_summary(prof)
+            if args.trace_dir:  # Chrome traces (gzip), one per configuration and rank
+                Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_rank{rank}.json.gz"))
         if use_cuda:
             free, total = torch.cuda.mem_get_info(device)
             res.update(peak_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30,

@@ -115,16 +115,37 @@ def _doc_causal_attention(module, query, key, value, attention_mask, scaling=Non
 
     ``query`` is (1, heads, tokens, head_dim), ``key``/``value`` (1, kv_heads, tokens,
     head_dim); ``cu_seq_lens_q`` holds the document boundaries (a Python list here). One
-    causal SDPA call per document (flash attention on GPUs): cost ~ sum of squared lengths.
+    causal SDPA call per document (cuDNN attention on H200): cost ~ sum of squared lengths.
+
+    Each document's q / k / v are made contiguous: cuDNN builds an attention plan per
+    shape *and strides* (tens to hundreds of ms of CPU, the GPU idle meanwhile), and a slice
+    of the packed tensors has strides that depend on the packed length, so every new packing
+    of a document cost a new plan, charged to whichever configuration met it first. With
+    contiguous inputs the plan depends on the document's length alone, and
+    ``warm_attention`` builds them all before anything is timed.
     """
     groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    bounds = cu_seq_lens_q
-    out = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                          is_causal=True, scale=scaling)
-           for s, e in zip(bounds[:-1], bounds[1:])]
+    out = []
+    for s, e in zip(cu_seq_lens_q[:-1], cu_seq_lens_q[1:]):
+        k, v = key[:, :, s:e], value[:, :, s:e]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        out.append(F.scaled_dot_product_attention(query[:, :, s:e].contiguous(), k.contiguous(),
+                                                  v.contiguous(), is_causal=True, scale=scaling))
     return torch.cat(out, 2).transpose(1, 2).contiguous(), None
+
+
+def warm_attention(lengths, heads: int, head_dim: int, device) -> float:
+    """Run the per-document attention (forward and backward, bf16) once for every distinct
+    length, so that cuDNN's plans exist before any configuration is timed. Returns seconds."""
+    t0 = time.perf_counter()
+    for n in sorted(set(lengths)):
+        q, k, v = (torch.randn(1, heads, n, head_dim, device=device, dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim ** -0.5).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 class Checkpointed(nn.Module):
@@ -469,6 +490,16 @@ def main() -> int:
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
 
+    docs = [make_documents(args.docs_per_step, args.seed * 100 + s, args.balanced, args.mean_len,
+                           args.max_tokens) for s in range(args.steps)]
+    warm_s = None
+    if model_kind.startswith("qwen2") and use_cuda:  # every document length of the run, and calibration's
+        heads = shape["num_attention_heads"]
+        warm_s = warm_attention([n for d in docs for n in d] + [n for c in calibration_set(args.max_tokens) for n in c],
+                                heads, shape["hidden_size"] // heads, device)
+        if rank == 0:
+            print(f"[train_imbalanced] attention plans for every document length built in {warm_s:.1f} s",
+                  flush=True)
     calibration = None
     if args.cost == "fitted":
         model = build_sharded(meshes["odc"])
@@ -478,8 +509,6 @@ def main() -> int:
             print(f"[train_imbalanced] calibrated microbatch time: {cost.a * 1e3:.1f} ms + "
                   f"{cost.b * 1e6:.3f} us/token + {cost.c * 1e12:.3f} ps/token pair", flush=True)
 
-    docs = [make_documents(args.docs_per_step, args.seed * 100 + s, args.balanced, args.mean_len,
-                           args.max_tokens) for s in range(args.steps)]
     # one plan per planner; a configuration's planner is its name's suffix
     plans_by = {"lbmicro": [balance.lb_micro(d, world, args.max_tokens, cost) for d in docs],
                 "lbmini": [balance.lb_mini(d, world, args.max_tokens, cost) for d in docs]}
@@ -587,6 +616,7 @@ def main() -> int:
             "benchmark": "train_imbalanced", "kind": kind, "world_size": world, "model": model_kind,
             "model_shape": shape, "parameters": n_params, "device": str(device.type),
             **_meta.stamp(device), "args": vars(args), "calibration": calibration,
+            "attention_warmup_s": warm_s,
             "cost_model": (dataclasses.asdict(cost) if dataclasses.is_dataclass(cost) else str(cost)),
             "documents": docs, "results": results, "summary": summary}, indent=1))
         print(f"[train_imbalanced] wrote {out}", flush=True)

@@ -20,7 +20,9 @@
 #            with timeline plots (benchmarks/plot_timeline.py)
 #   nvshmem  rebuild with ODC_WITH_NVSHMEM=1, then tests/test_nvshmem.py on all GPUs (runtime,
 #            collectives and decoupled mode with every peer over NVSHMEM, and with 4 GPUs as
-#            2 hosts x 2), benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs,
+#            2 hosts x 2), the GPU suites of the tests stage with every peer over NVSHMEM
+#            (ODC_TEST_NVSHMEM=1 ODC_TRANSPORT=nvshmem; on 2 and 4 GPUs) and with 4 GPUs as two
+#            hosts (ODC_HOST_SIZE=2), benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs,
 #            benchmarks/collectives.py --odc-nvshmem on all GPUs (odc over CUDA IPC, odc over
 #            NVSHMEM and NCCL in one run) and, on 4+ GPUs, with ODC_HOST_SIZE splitting them
 #            into two hosts. Run it last: it replaces the built extension.
@@ -186,6 +188,23 @@ stage_nvshmem() {
         env ODC_WITH_NVSHMEM=1 MAX_JOBS=${MAX_JOBS:-16} $PY setup.py build_ext --inplace
     run_step nvshmem_tests 240 "$OUT/nvshmem_tests.log" \
         $PY -m pytest -q -rA tests/test_nvshmem.py
+    # the GPU suites with their peers routed through NVSHMEM: all of them (forced), and on 4+
+    # GPUs the tests that use every GPU with the GPUs split into two "hosts"
+    local n sel=()
+    for n in ${TEST_GPUS:-2 4}; do
+        if [ "$NGPU" -lt "$n" ]; then skip_step "nvshmem_suite_${n}gpu" "only $NGPU GPUs"; continue; fi
+        [ "$n" -gt 2 ] && sel=(-k "test_matches_nccl[$n or fsdp2 or decoupled")
+        run_step "nvshmem_suite_forced_${n}gpu" 240 "$OUT/nvshmem_suite_forced_${n}gpu.log" \
+            env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" ODC_TEST_NVSHMEM=1 ODC_TRANSPORT=nvshmem \
+            $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py \
+            tests/test_gpu_decoupled.py "${sel[@]}"
+        if [ "$n" -ge 4 ]; then
+            run_step "nvshmem_suite_2hosts_${n}gpu" 240 "$OUT/nvshmem_suite_2hosts_${n}gpu.log" \
+                env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" ODC_TEST_NVSHMEM=1 ODC_HOST_SIZE=$(( n / 2 )) \
+                $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py \
+                tests/test_gpu_decoupled.py "${sel[@]}"
+        fi
+    done
     run_step nvshmem_probe 120 "$OUT/nvshmem_probe.log" \
         env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node=2 benchmarks/nvshmem_probe.py \
             --torch-symm-mem --out-dir "$OUT/benchmarks/results"

@@ -19,6 +19,11 @@ import torch.multiprocessing as mp
 # Every GPU run keeps NVLink multicast off (the GPU machines require it)
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
+# ODC_TEST_NVSHMEM=1 (with ODC_TRANSPORT=nvshmem or ODC_HOST_SIZE, in an ODC_WITH_NVSHMEM=1
+# build): every CUDA odc worker initialises NVSHMEM first, so the GPU suites run with their
+# peers routed through NVSHMEM (benchmarks/gpu_suite.sh, stage nvshmem)
+NVSHMEM_SUITE = os.environ.get("ODC_TEST_NVSHMEM") == "1"
+
 
 def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, queue):
     try:
@@ -35,6 +40,11 @@ def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, que
             backend, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        if NVSHMEM_SUITE and "cuda:odc" in backend:
+            from torch_odc_backend import nvshmem as odc_nvshmem
+
+            # room for the windows of every group a test makes (HSDP: three) and small arenas
+            odc_nvshmem.init(slab_bytes=4 * odc_nvshmem.default_slab_bytes(world_size))
         try:
             result = fn(rank, world_size, *args)
         finally:

@@ -96,10 +96,29 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_cuda") = false;
 #endif
 
-#ifdef ODC_WITH_NVSHMEM
-  m.attr("built_with_nvshmem") = true;
+  // Sizes of the shared-memory layouts, for sizing NVSHMEM's slab before groups exist.
   m.attr("default_chunk_bytes_cuda") = odc::kDefaultChunkCuda;
   m.attr("default_ring_slots") = odc::kDefaultSlots;
+  m.def(
+      "window_bytes",
+      [](int world, size_t chunk_bytes, int slots) {
+        return odc::WindowLayout(world, chunk_bytes, slots).total;
+      },
+      py::arg("world"), py::arg("chunk_bytes"), py::arg("slots"));
+  m.def(
+      "arena_bytes",
+      [](int world, const std::vector<size_t>& shard_numel,
+         const std::vector<size_t>& param_elem_size, const std::vector<size_t>& grad_numel) {
+        TORCH_CHECK_VALUE(shard_numel.size() == param_elem_size.size() &&
+                              shard_numel.size() == grad_numel.size(),
+                          "odc: arena_bytes: one shard size, element size and gradient size "
+                          "per parameter group expected");
+        return odc::ArenaLayout(world, shard_numel, param_elem_size, grad_numel).total;
+      },
+      py::arg("world"), py::arg("shard_numel"), py::arg("param_elem_size"), py::arg("grad_numel"));
+
+#ifdef ODC_WITH_NVSHMEM
+  m.attr("built_with_nvshmem") = true;
   // NVSHMEM runtime (torch_odc_backend.nvshmem wraps these).
   m.def("nvshmem_unique_id", [] {
     const auto id = odc::nvshmem::unique_id();

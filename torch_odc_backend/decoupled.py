@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _fsdp_adapter
+from . import _C
 from ._C import OdcBackend
 
 __all__ = ["decouple", "sync", "metrics", "DecoupledState"]
@@ -62,6 +63,37 @@ def _require_state(model: torch.nn.Module, api: str) -> "DecoupledState":
     return state
 
 
+def _shard_sizes(policy: _fsdp_adapter.GroupPolicy):
+    """Per parameter: padded shard elements and trainability; in all: one rank's packed shard
+    (FSDP's all-gather input) and its trainable part (FSDP's reduce-scatter output)."""
+    padded = [int(torch.Size(s).numel()) for s in policy.padded_shard_sizes]
+    trainable = [p.requires_grad for p in policy.params]
+    return padded, trainable, sum(padded), sum(n for n, t in zip(padded, trainable) if t)
+
+
+def _policies(model: torch.nn.Module) -> list:
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("odc.decouple: the model has no fully_shard modules")
+    return [(m, pol) for m in modules if (pol := _fsdp_adapter.group_policy(m)) is not None]
+
+
+def arena_bytes(model: torch.nn.Module, accumulate: str = "owner") -> int:
+    """Bytes of the shared arena ``odc.decouple(model, ..., accumulate=accumulate)`` creates on
+    each rank: every group's published shard in the param dtype, plus its fp32 accumulator
+    with ``"owner"``. Call after fully_shard (sizes NVSHMEM's slab before any group exists)."""
+    pols = [pol for _, pol in _policies(model)]
+    mesh = pols[0].params[0].device_mesh
+    numel, elem, grad = [], [], []
+    for pol in pols:
+        _, _, n, g = _shard_sizes(pol)
+        dtype = pol.param_dtype or pol.params[0].dtype
+        numel.append(n)
+        elem.append(torch.empty(0, dtype=dtype).element_size())
+        grad.append(g if accumulate == "owner" else 0)
+    return int(_C.arena_bytes(mesh.size(mesh.ndim - 1), numel, elem, grad))
+
+
 class _Group:
     """One FSDP module's parameter group: its layout and its comm objects."""
 
@@ -80,11 +112,7 @@ class _Group:
         self.reduce_dtype = policy.reduce_dtype or self.param_dtype
         if self.reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"odc decoupled mode reduces in float32 or bfloat16, not {self.reduce_dtype}")
-        self.padded = [int(torch.Size(s).numel()) for s in policy.padded_shard_sizes]
-        self.numel = sum(self.padded)  # one rank's packed shard (FSDP's all-gather input)
-        # FSDP's reduce-scatter input covers the trainable parameters only
-        self.trainable = [p.requires_grad for p in policy.params]
-        self.grad_numel = sum(n for n, t in zip(self.padded, self.trainable) if t)
+        self.padded, self.trainable, self.numel, self.grad_numel = _shard_sizes(policy)
         self.versions = None  # the local shards' version counters when last published
         # accumulate="local": this rank's summed reduce-scatter inputs (fp32), and an event
         # recorded after each add (FSDP2 runs them on its own stream; sync waits on it)
@@ -176,10 +204,7 @@ class DecoupledState:
         if accumulate not in ("owner", "local"):
             raise ValueError(f"odc.decouple: accumulate must be 'owner' or 'local', got {accumulate!r}")
         self.accumulate = accumulate
-        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        if not modules:
-            raise ValueError("odc.decouple: the model has no fully_shard modules")
-        groups = [(m, pol) for m in modules if (pol := _fsdp_adapter.group_policy(m)) is not None]
+        groups = _policies(model)
         first = groups[0][1].params[0]
         self.mesh = first.device_mesh
         self.device = first.to_local().device

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import _C, config
 
-__all__ = ["available", "default_slab_bytes", "init", "status", "ring_selftest"]
+__all__ = ["available", "default_slab_bytes", "init", "ring_selftest", "slab_bytes_for", "status"]
 
 
 def available() -> bool:
@@ -39,24 +39,41 @@ def _require() -> None:
                            "wheel)")
 
 
-def default_slab_bytes(world: int) -> int:
-    """Room for two groups' windows with the current ring knobs: a CUDA window takes about
-    (world + 1) x ODC_RING_SLOTS x ODC_CHUNK_BYTES. Decoupled-mode arenas need more (6 bytes
-    per parameter / shard-group size under bf16 mixed precision): pass slab_bytes then."""
+def _round4k(n: int) -> int:
+    return (int(n) + 4095) // 4096 * 4096
+
+
+def default_slab_bytes(world: int, groups: int = 2) -> int:
+    """Room for ``groups`` groups' communication windows of ``world`` ranks with the current
+    ring knobs (each about (world + 1) x ODC_RING_SLOTS x ODC_CHUNK_BYTES), plus 64 MiB."""
     k = config.knobs()
     slots = k.ring_slots or _C.default_ring_slots
     chunk = k.chunk_bytes or _C.default_chunk_bytes_cuda
-    return 2 * (world + 1) * slots * chunk + (64 << 20)
+    return groups * _round4k(_C.window_bytes(world, chunk, slots)) + (64 << 20)
 
 
-def init(slab_bytes: int | None = None) -> bool:
+def slab_bytes_for(model, accumulate: str = "local") -> int:
+    """The slab a fully_shard model needs: a window for the world group and for each of its
+    mesh's dimensions, and the decoupled-mode arena of ``odc.decouple(model, ...,
+    accumulate=accumulate)`` ("local" is the mode that runs over NVSHMEM)."""
+    from .decoupled import arena_bytes
+
+    mesh = next(p for p in model.parameters()).device_mesh
+    return (default_slab_bytes(dist.get_world_size(), groups=mesh.ndim + 1)
+            + _round4k(arena_bytes(model, accumulate)))
+
+
+def init(slab_bytes: int | None = None, *, model=None) -> bool:
     """Initialise NVSHMEM over the default group (collective; every rank calls it).
 
-    Allocates a ``slab_bytes`` slab of the symmetric heap for odc's windows (default: none,
-    or ``default_slab_bytes(world)`` when ``ODC_TRANSPORT=nvshmem`` or ``ODC_HOST_SIZE``
-    splits the ranks) and, unless the
-    environment sets it, ``NVSHMEM_SYMMETRIC_SIZE`` to the slab + 512 MiB. Windows are never
-    returned to the slab (a bump allocator): size it for every group the run creates.
+    Allocates a slab of the symmetric heap for odc's windows and decoupled-mode arenas:
+    ``slab_bytes``, or when some peer goes over NVSHMEM (``ODC_TRANSPORT=nvshmem`` or an
+    ``ODC_HOST_SIZE`` split) what odc will register: ``slab_bytes_for(model)`` for a
+    fully_shard ``model`` (call after fully_shard), else ``default_slab_bytes(world)`` (two
+    groups' windows, no arena); otherwise none. Unless the environment sets it,
+    ``NVSHMEM_SYMMETRIC_SIZE`` becomes the slab + 512 MiB. Windows are never returned to the
+    slab (a bump allocator), and a window or arena that does not fit raises an error naming
+    the bytes it needs.
     Returns True when this call initialised NVSHMEM, False when it was already up in this
     process (ours or PyTorch's; the PE numbering is checked either way).
     """
@@ -69,7 +86,10 @@ def init(slab_bytes: int | None = None) -> bool:
     if slab_bytes is None:  # odc's windows need the slab when some peer goes over NVSHMEM
         k = config.knobs()
         routed = k.transport == 1 or (k.transport == 0 and 0 < k.host_size < world)
-        slab_bytes = default_slab_bytes(world) if routed else 0
+        if not routed:
+            slab_bytes = 0
+        else:
+            slab_bytes = slab_bytes_for(model) if model is not None else default_slab_bytes(world)
     # Every rank must agree whether NVSHMEM is up: a unique id is made (and its bootstrap
     # listener started) only when nobody has initialised it yet.
     states = [None] * world

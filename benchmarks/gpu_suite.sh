@@ -190,9 +190,10 @@ stage_nvshmem() {
         $PY -m pytest -q -rA tests/test_nvshmem.py
     # the GPU suites with their peers routed through NVSHMEM: all of them (forced), and on 4+
     # GPUs the tests that use every GPU with the GPUs split into two "hosts"
-    local n sel=()
+    local n sel
     for n in ${TEST_GPUS:-2 4}; do
         if [ "$NGPU" -lt "$n" ]; then skip_step "nvshmem_suite_${n}gpu" "only $NGPU GPUs"; continue; fi
+        sel=()
         [ "$n" -gt 2 ] && sel=(-k "test_matches_nccl[$n or fsdp2 or decoupled")
         run_step "nvshmem_suite_forced_${n}gpu" 240 "$OUT/nvshmem_suite_forced_${n}gpu.log" \
             env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" ODC_TEST_NVSHMEM=1 ODC_TRANSPORT=nvshmem \

@@ -35,11 +35,18 @@ def analyse(events: list[dict], min_gap_us: float, top: int) -> dict:
     by_stream: dict = defaultdict(list)
     for e in gpu:
         by_stream[e["tid"]].append(e)
+    if not by_stream:
+        return {"compute_stream": None, "kernels": 0, "busy_ms": 0.0, "span_ms": 0.0, "idle_ms": 0.0,
+                "gaps": 0, "gaps_total_ms": 0.0, "longest": []}
     stream, evs = max(by_stream.items(), key=lambda kv: sum(e["dur"] for e in kv[1]))
     evs.sort(key=lambda e: e["ts"])
     busy = sum(e["dur"] for e in evs)
     span = evs[-1]["ts"] + evs[-1]["dur"] - evs[0]["ts"]
-    launch_of = {e["args"]["correlation"]: e for e in host if "correlation" in e.get("args", {})}
+    launch_of: dict = {}  # correlation id -> the launching call (the runtime one, not a nested driver call)
+    for e in host:
+        c = e.get("args", {}).get("correlation")
+        if c is not None and (c not in launch_of or e.get("cat") == "cuda_runtime"):
+            launch_of[c] = e
     gaps = []
     for a, b in zip(evs, evs[1:]):
         g = b["ts"] - (a["ts"] + a["dur"])

@@ -697,6 +697,12 @@ void OdcBackend::arena_take(int64_t arena, int64_t group, const at::Tensor& out)
   });
 }
 
+int64_t OdcBackend::arena_size(int64_t arena) {
+  int64_t bytes = 0;
+  arena_call([&] { bytes = static_cast<int64_t>(arena_at(arena, "size").arena->layout().total); });
+  return bytes;
+}
+
 std::map<std::string, uint64_t> OdcBackend::stats() const {
   std::lock_guard<std::mutex> lock(stats_mu_);
   return stats_;

@@ -138,6 +138,7 @@ class OdcBackend final : public c10d::Backend {
   void arena_accumulate(int64_t arena, int64_t group, const at::Tensor& in);
   void arena_finish(int64_t arena, int64_t epoch);
   void arena_take(int64_t arena, int64_t group, const at::Tensor& out);
+  int64_t arena_size(int64_t arena);  // bytes of its shared layout on each rank
   // The inner backend for a device type ("cpu" / "cuda"), created on first use.
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);
 

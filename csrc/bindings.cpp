@@ -82,6 +82,7 @@ PYBIND11_MODULE(_C, m) {
            "Decoupled mode: the minibatch's synchronisation (collective).")
       .def("arena_take", &odc::OdcBackend::arena_take, py::arg("arena"), py::arg("group"),
            py::arg("out"), py::call_guard<py::gil_scoped_release>())
+      .def("arena_size", &odc::OdcBackend::arena_size, py::arg("arena"))
       .def(
           "inner",
           [](odc::OdcBackend& self, const std::string& device) {

@@ -268,19 +268,22 @@ def _arena_size_worker(rank, world):
     import torch_odc_backend as odc
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch_odc_backend import _C
     from torch_odc_backend import nvshmem as odc_nvshmem
     from torch_odc_backend.decoupled import arena_bytes
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model, opt = fm.build(init_device_mesh("cpu", (world,)), seed=5, mp_policy=mp)
     predicted = {a: arena_bytes(model, a) for a in ("owner", "local")}
+    try:
+        arena_bytes(model, "Owner")
+        refused = False
+    except ValueError:
+        refused = True
     slab = odc_nvshmem.slab_bytes_for(model)
-    state = odc.decouple(model, opt)  # the sizes decouple hands the backend
-    made = _C.arena_bytes(world, [g.numel for g in state.groups], [2] * len(state.groups),
-                          [g.grad_numel for g in state.groups])
+    state = odc.decouple(model, opt)
+    made = state.backend.arena_size(state.arena)  # what the backend laid out
     n_shard = sum(g.numel for g in state.groups)
-    return predicted, made, n_shard, slab, odc_nvshmem.default_slab_bytes(world, groups=2)
+    return predicted, made, n_shard, slab, odc_nvshmem.default_slab_bytes(world, groups=2), refused
 
 
 def test_arena_and_slab_sizes_are_what_decouple_registers():
@@ -288,7 +291,8 @@ def test_arena_and_slab_sizes_are_what_decouple_registers():
     odc.decouple creates: bf16 published shards plus fp32 accumulators ("owner"), or the
     shards alone ("local"); slab_bytes_for adds two windows (world group, one mesh dimension)."""
     res = run_distributed(_arena_size_worker, 2, backend="cpu:odc", deadline_s=120)
-    for rank, (predicted, made, n_shard, slab, two_windows) in res.items():
+    for rank, (predicted, made, n_shard, slab, two_windows, refused) in res.items():
+        assert refused, "arena_bytes accepted accumulate='Owner'"
         assert predicted["owner"] == made, (rank, predicted, made)
         assert 2 * n_shard <= predicted["local"] < 2 * n_shard + 64 * 1024, (rank, predicted, n_shard)
         assert predicted["owner"] >= predicted["local"] + 4 * (n_shard // 2), (rank, predicted)

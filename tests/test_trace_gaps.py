@@ -34,3 +34,4 @@ def test_gaps_and_the_host_calls_before_them(tmp_path):
     out = tmp_path / "gaps.json"
     assert trace_gaps.main([str(path), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["t.json.gz"]["gaps"] == 1
+    assert trace_gaps.analyse([], 2000, 3)["compute_stream"] is None  # no GPU events: no crash

@@ -82,6 +82,8 @@ def arena_bytes(model: torch.nn.Module, accumulate: str = "owner") -> int:
     """Bytes of the shared arena ``odc.decouple(model, ..., accumulate=accumulate)`` creates on
     each rank: every group's published shard in the param dtype, plus its fp32 accumulator
     with ``"owner"``. Call after fully_shard (sizes NVSHMEM's slab before any group exists)."""
+    if accumulate not in ("owner", "local"):
+        raise ValueError(f"odc arena_bytes: accumulate must be 'owner' or 'local', got {accumulate!r}")
     pols = [pol for _, pol in _policies(model)]
     mesh = pols[0].params[0].device_mesh
     numel, elem, grad = [], [], []

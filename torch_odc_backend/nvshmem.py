@@ -58,9 +58,10 @@ def slab_bytes_for(model, accumulate: str = "local") -> int:
     accumulate=accumulate)`` ("local" is the mode that runs over NVSHMEM)."""
     from .decoupled import arena_bytes
 
+    arena = arena_bytes(model, accumulate)  # raises on a model without fully_shard modules
     mesh = next(p for p in model.parameters()).device_mesh
     return (default_slab_bytes(dist.get_world_size(), groups=mesh.ndim + 1)
-            + _round4k(arena_bytes(model, accumulate)))
+            + _round4k(arena))
 
 
 def init(slab_bytes: int | None = None, *, model=None) -> bool:

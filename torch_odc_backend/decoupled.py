@@ -86,14 +86,19 @@ def arena_bytes(model: torch.nn.Module, accumulate: str = "owner") -> int:
         raise ValueError(f"odc arena_bytes: accumulate must be 'owner' or 'local', got {accumulate!r}")
     pols = [pol for _, pol in _policies(model)]
     mesh = pols[0].params[0].device_mesh
+    return int(_C.arena_bytes(mesh.size(mesh.ndim - 1), *_arena_sizes(pols, accumulate)))
+
+
+def _arena_sizes(policies, accumulate: str):
+    """Per group, what the arena holds: shard elements, param-dtype element size, and the
+    accumulator's elements (none with accumulate="local")."""
     numel, elem, grad = [], [], []
-    for pol in pols:
+    for pol in policies:
         _, _, n, g = _shard_sizes(pol)
-        dtype = pol.param_dtype or pol.params[0].dtype
         numel.append(n)
-        elem.append(torch.empty(0, dtype=dtype).element_size())
+        elem.append(torch.empty(0, dtype=pol.param_dtype or pol.params[0].dtype).element_size())
         grad.append(g if accumulate == "owner" else 0)
-    return int(_C.arena_bytes(mesh.size(mesh.ndim - 1), numel, elem, grad))
+    return numel, elem, grad
 
 
 class _Group:
@@ -237,11 +242,7 @@ class DecoupledState:
         self._since = time.perf_counter()
         self.totals = {"busy_s": 0.0, "sync_wait_s": 0.0, "minibatches": 0}
         self.last = {}
-        self.arena = backend.arena_create(
-            self.device, [g.numel for g in self.groups],
-            [torch.empty(0, dtype=g.param_dtype).element_size() for g in self.groups],
-            # accumulate="local" needs no accumulators in the arena
-            [g.grad_numel if accumulate == "owner" else 0 for g in self.groups])
+        self.arena = backend.arena_create(self.device, *_arena_sizes([pol for _, pol in groups], accumulate))
         for g in self.groups:
             g.module.set_custom_all_gather(_AllGather(g))
             g.module.set_custom_reduce_scatter(_ReduceScatter(g))
@@ -346,7 +347,7 @@ class DecoupledState:
                                                 shape=p.shape, stride=p.stride())
                 else:
                     p.grad.to_local().add_(val)
-            del acc
+            del acc  # freed before the next group's is allocated
         if self.device.type == "cuda":  # the wait includes the reduce-scatters and all-reduces
             torch.cuda.current_stream(self.device).synchronize()
         t1 = time.perf_counter()

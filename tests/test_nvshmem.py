@@ -149,6 +149,48 @@ def test_gpu_collectives_and_decoupled_over_nvshmem(split):
         assert_grads_match(cfg, TOL[True], rank)
 
 
+def _model_sized_worker(rank, world):
+    """init(model=...) after fully_shard sizes the slab from what odc registers; decoupled
+    training over it fits, and its windows and arena come from that slab."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_models as fm
+    import torch_odc_backend as odc
+    from torch_odc_backend.decoupled import arena_bytes
+    from test_decoupled import _microbatch_loss
+
+    torch.cuda.set_device(rank)
+    model, opt = fm.build(init_device_mesh("cuda", (world,)), seed=5, device="cuda")
+    need, arena = odc_nvshmem.slab_bytes_for(model), arena_bytes(model, "local")
+    fresh = odc_nvshmem.init(model=model)
+    slab = odc_nvshmem.status()["slab_bytes"]
+    odc.decouple(model, opt, accumulate="local")
+    losses = []
+    for step in range(2):
+        for mb in range(2):
+            loss = _microbatch_loss(model, 2 * rank + mb, step, device="cuda")
+            loss.backward()
+            losses.append(float(loss))
+        odc.sync(model)
+        opt.step()
+        opt.zero_grad()
+    st = odc_nvshmem.status()
+    return fresh, need, arena, slab, st["slab_used"], st["routed_copies"], losses
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not odc_nvshmem.available(),
+                    reason="needs >= 2 CUDA GPUs and an ODC_WITH_NVSHMEM=1 build")
+def test_gpu_init_sizes_the_slab_from_the_model():
+    results = run_distributed(_model_sized_worker, 2, backend="cpu:gloo,cuda:odc",
+                              env=dict(GPU_ENV, ODC_TRANSPORT="nvshmem"), deadline_s=240)
+    for rank, (fresh, need, arena, slab, used, copies, losses) in results.items():
+        assert fresh is True, rank
+        assert slab == need, f"rank {rank}: slab {slab} bytes, slab_bytes_for(model) said {need}"
+        assert arena > 0 and arena < used <= slab, (rank, arena, used, slab)
+        assert copies > 0, "no get / put went through NVSHMEM"
+        assert all(x == x and abs(x) < 1e6 for x in losses), (rank, losses)
+
+
 def _torch_first_worker(rank, world):
     import os
 

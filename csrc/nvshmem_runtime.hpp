@@ -1,15 +1,16 @@
-// NVSHMEM runtime for the NVSHMEM transport (peers on other hosts; in progress).
+// NVSHMEM runtime for the NVSHMEM transport (peers on other hosts; runs on one host).
 //
 // Built only with ODC_WITH_NVSHMEM (setup.py: ODC_WITH_NVSHMEM=1). Host API only: the
 // extension links libnvshmem_host and no NVSHMEM device code, so initialisation goes
 // through nvshmemx_hostlib_init_attr (docs/nvshmem_transport.md, section 1).
 //
-// What exists so far: one initialisation per process over the default group's world
-// (PE = global rank, as PyTorch's own NVSHMEM use assumes); a slab of the symmetric heap
-// that groups sub-allocate their windows from (ODC_TRANSPORT=nvshmem: the CUDA transport's
-// data path over NVSHMEM memory mapped peer-to-peer, so peers on one host only); and a
-// self-test of the on-stream operations the network path will use (put-with-signal to the
-// next PE, a stream wait on the local signal). The network path is not written yet.
+// One initialisation per process over the default group's world (PE = global rank, as
+// PyTorch's own NVSHMEM use assumes); a slab of the symmetric heap that groups sub-allocate
+// their windows and arenas from; routed peers (ODC_TRANSPORT=nvshmem, or peers on other
+// "hosts" of ODC_HOST_SIZE) reached with on-stream get / put / signal / quiet, the others
+// through peer-to-peer mappings of the same slab; and a put-with-signal self-test. Missing for
+// real network peers: registering the user's buffers (the local side of each get / put), so
+// a peer reachable only over the network is refused when a window opens.
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,4 @@
-"""NVSHMEM runtime (groundwork for the NVSHMEM transport).
+"""NVSHMEM runtime of the NVSHMEM transport (peers on other hosts; tested on one host).
 
     import torch_odc_backend.nvshmem as odc_nvshmem
     odc_nvshmem.init()                  # collective over the default group, once per process

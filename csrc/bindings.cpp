@@ -135,6 +135,13 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("unique_id"), py::arg("global_rank"), py::arg("world"), py::arg("device"),
       py::arg("slab_bytes") = 0);
+  m.def(
+      "nvshmem_grow",
+      [](size_t bytes) {
+        py::gil_scoped_release nogil;
+        odc::nvshmem::grow(bytes);
+      },
+      py::arg("bytes"));
   m.def("nvshmem_status", [] {
     const auto s = odc::nvshmem::status();
     py::dict d;
@@ -143,6 +150,7 @@ PYBIND11_MODULE(_C, m) {
     d["n_pes"] = s.n_pes;
     d["slab_bytes"] = s.slab_bytes;
     d["slab_used"] = s.slab_used;
+    d["segments"] = s.segments;
     d["routed_copies"] = s.routed_copies;
     d["routed_signals"] = s.routed_signals;
     return d;

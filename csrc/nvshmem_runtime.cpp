@@ -17,9 +17,22 @@ namespace odc::nvshmem {
 namespace {
 
 std::mutex init_mu;  // guards the slab too: groups' transports start on several threads
-char* slab = nullptr;  // symmetric, world-collective; groups sub-allocate windows from it
-size_t slab_size = 0;
-size_t slab_used = 0;  // a bump pointer: windows are never returned (until process exit)
+
+// odc's slab: world-collective symmetric allocations ("segments", added by init and grow)
+// that groups sub-allocate their windows and arenas from, first fit, each segment with its
+// own bump pointer (windows are never returned until process exit). Offsets are virtual:
+// segment i covers [start, start + bytes) of one address space; a window never straddles
+// two. Append-only with a published count, so the routed path reads it without the lock.
+struct Segment {
+  char* base;
+  size_t bytes;
+  size_t start;
+  size_t used;  // bump pointer within the segment (guarded by init_mu)
+};
+constexpr int kMaxSegments = 16;
+Segment segments[kMaxSegments];
+std::atomic<int> n_segments{0};
+size_t slab_size = 0;  // the segments' total
 std::atomic<uint64_t> routed_copies{0};  // observability: routed get / put calls issued
 std::atomic<uint64_t> routed_signals{0};
 
@@ -42,6 +55,33 @@ struct Symmetric {
   Symmetric& operator=(const Symmetric&) = delete;
   void* p;
 };
+
+// Collective over every PE (same order, same size); caller holds init_mu.
+void add_segment(size_t bytes) {
+  const int n = n_segments.load(std::memory_order_relaxed);
+  ODC_CHECK(n < kMaxSegments, Error, "odc nvshmem: the slab already has ", kMaxSegments,
+            " segments; initialise with a larger slab_bytes");
+  auto* p = static_cast<char*>(nvshmem_align(4096, bytes));
+  ODC_CHECK(p != nullptr, Error, "odc nvshmem: the symmetric heap cannot hold ", bytes,
+            " more bytes for odc's slab (it has ", slab_size, "); set NVSHMEM_SYMMETRIC_SIZE "
+            "before the first initialisation, or size the slab with "
+            "torch_odc_backend.nvshmem.init(model=...) before odc's first CUDA collective");
+  segments[n] = Segment{p, bytes, slab_size, 0};
+  n_segments.store(n + 1, std::memory_order_release);
+  slab_size += bytes;
+}
+
+size_t round4k(size_t n) { return (n + 4095) / 4096 * 4096; }
+
+// The local address of virtual offset `off`.
+char* slab_at(size_t off) {
+  const int n = n_segments.load(std::memory_order_acquire);
+  for (int i = 0; i < n; ++i) {
+    if (off < segments[i].start + segments[i].bytes) return segments[i].base + (off - segments[i].start);
+  }
+  ODC_CHECK(false, Error, "odc nvshmem: offset ", off, " is past the ", slab_size, "-byte slab");
+  return nullptr;
+}
 
 }  // namespace
 
@@ -79,13 +119,17 @@ bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device
             "odc nvshmem: NVSHMEM in this process has PE ", nvshmem_my_pe(), " of ", nvshmem_n_pes(),
             ", expected ", global_rank, " of ", world,
             " (it was initialised over another set of ranks)");
-  if (slab == nullptr && slab_bytes > 0) {  // every rank passes here: the allocation is collective
-    slab = static_cast<char*>(nvshmem_align(4096, slab_bytes));
-    ODC_CHECK(slab != nullptr, Error, "odc nvshmem: the symmetric heap cannot hold a ", slab_bytes,
-              "-byte slab (NVSHMEM_SYMMETRIC_SIZE is set too low, or torch's symmetric memory uses it)");
-    slab_size = slab_bytes;
-  }
+  // every rank passes here with the same state: the allocation is collective
+  if (n_segments.load() == 0 && slab_bytes > 0) add_segment(slab_bytes);
   return fresh;
+}
+
+void grow(size_t bytes) {
+  std::lock_guard<std::mutex> lock(init_mu);
+  ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, Error,
+            "odc nvshmem: not initialised (call torch_odc_backend.nvshmem.init() first)");
+  ODC_CHECK(bytes > 0, ValueError, "odc nvshmem: grow the slab by > 0 bytes");
+  add_segment(bytes);
 }
 
 namespace {
@@ -144,31 +188,48 @@ class SymmetricMemory final : public DeviceMemory {
 
   std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
                           const char* what) override {
-    // Members agree on one offset (the largest of their bump pointers), so a window sits at
-    // the same symmetric address on every member. Another group may reserve on this rank
-    // between the exchange and the reservation (transports start on several threads): then
-    // every member learns it and the round repeats past the new bump pointer.
+    // Members agree on one place: per segment the largest of their bump pointers, then the
+    // first segment where `bytes` fit after it, so a window sits at the same symmetric
+    // address on every member. Another group may reserve on this rank between the exchange
+    // and the reservation (transports start on several threads): then every member learns
+    // it and the round repeats past the new bump pointers.
     uint64_t off = 0;
     for (int round = 0;; ++round) {
       const std::string key = tag + "_nvshmem_" + std::to_string(round);
-      uint64_t mine;
+      std::vector<uint64_t> mine;
       {
         std::lock_guard<std::mutex> lock(init_mu);
-        mine = slab_used;
+        for (int i = 0; i < n_segments.load(); ++i) mine.push_back(segments[i].used);
       }
-      off = 0;
-      for (const auto& b : exchange_blobs(a, key + "_offset", as_bytes(mine))) {
-        off = std::max(off, from_bytes(b));
+      std::vector<uint64_t> top(mine.size(), 0);
+      const auto* raw = reinterpret_cast<const uint8_t*>(mine.data());
+      for (const auto& b : exchange_blobs(a, key + "_offsets",
+                                          std::vector<uint8_t>(raw, raw + mine.size() * 8))) {
+        ODC_CHECK(b.size() == mine.size() * 8, Error, "odc nvshmem: members of this group see ",
+                  b.size() / 8, " and ", mine.size(), " slab segments (grow the slab on every "
+                  "rank: torch_odc_backend.nvshmem.init is collective)");
+        for (size_t i = 0; i < top.size(); ++i) {
+          uint64_t v;
+          std::memcpy(&v, b.data() + 8 * i, 8);
+          top[i] = std::max(top[i], v);
+        }
       }
-      ODC_CHECK(off + bytes <= slab_size, Error, "odc nvshmem: the ", what, " needs ", bytes,
-                " bytes at offset ", off, " of the ", slab_size, "-byte slab; pass a larger "
-                "slab_bytes to torch_odc_backend.nvshmem.init()");
+      int seg = -1;
+      for (size_t i = 0; i < top.size() && seg < 0; ++i) {
+        if (top[i] + bytes <= segments[i].bytes) seg = static_cast<int>(i);
+      }
+      ODC_CHECK(seg >= 0, Error, "odc nvshmem: the ", what, " needs ", bytes, " bytes and no "
+                "segment of the ", slab_size, "-byte slab has them free; call "
+                "torch_odc_backend.nvshmem.init(model=...) (or with a larger slab_bytes) on every "
+                "rank after fully_shard and before odc's first CUDA collective");
       uint64_t ok;
       {
         std::lock_guard<std::mutex> lock(init_mu);
-        ok = off >= slab_used;
-        if (ok) slab_used = std::max<uint64_t>(slab_used, (off + bytes + 4095) / 4096 * 4096);
+        Segment& g = segments[seg];
+        ok = top[seg] >= g.used;
+        if (ok) g.used = round4k(top[seg] + bytes);
       }
+      off = segments[seg].start + top[seg];
       bool all_ok = true;
       for (const auto& b : exchange_blobs(a, key + "_reserved", as_bytes(ok))) {
         all_ok &= from_bytes(b) != 0;
@@ -176,7 +237,7 @@ class SymmetricMemory final : public DeviceMemory {
       if (all_ok) break;  // else: what this rank reserved stays a hole
     }
     std::vector<char*> bases(a.world, nullptr);
-    char* local = slab + off;
+    char* local = slab_at(off);
     check_cuda(cudaMemset(local, 0, bytes), "zeroing a window");
     check_cuda(cudaDeviceSynchronize(), "zeroing a window");
     for (int r = 0; r < a.world; ++r) {
@@ -206,7 +267,7 @@ class SymmetricMemory final : public DeviceMemory {
   std::pair<int, void*> decode(const void* p) const {
     const uintptr_t v = reinterpret_cast<uintptr_t>(p) - kRoutedBase;
     const auto r = static_cast<size_t>(v / kRoutedStride);
-    return {pes_.at(r), slab + v % kRoutedStride};
+    return {pes_.at(r), slab_at(v % kRoutedStride)};
   }
 
   std::vector<int> pes_;
@@ -219,11 +280,11 @@ class SymmetricMemory final : public DeviceMemory {
 std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, std::vector<bool> routed,
                                           int device) {
   std::lock_guard<std::mutex> lock(init_mu);
-  ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED && slab != nullptr, Error,
+  ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED && n_segments.load() > 0, Error,
             "odc: peers over NVSHMEM (ODC_TRANSPORT=nvshmem, or ODC_HOST_SIZE hosts): call "
             "torch_odc_backend.nvshmem.init() on every rank before the first CUDA collective");
   cudaPointerAttributes attr{};
-  check_cuda(cudaPointerGetAttributes(&attr, slab), "cudaPointerGetAttributes");
+  check_cuda(cudaPointerGetAttributes(&attr, segments[0].base), "cudaPointerGetAttributes");
   ODC_CHECK(attr.device == device, Error, "odc nvshmem: the slab is on cuda:", attr.device,
             " but this group's transport runs on cuda:", device,
             " (call torch.cuda.set_device before torch_odc_backend.nvshmem.init())");
@@ -245,7 +306,10 @@ Status status() {
   }
   std::lock_guard<std::mutex> lock(init_mu);
   s.slab_bytes = slab_size;
-  s.slab_used = slab_used;
+  for (int i = 0; i < n_segments.load(); ++i) {
+    s.slab_used += segments[i].used;
+    s.segments.emplace_back(segments[i].bytes, segments[i].used);
+  }
   s.routed_copies = routed_copies.load();
   s.routed_signals = routed_signals.load();
   return s;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "transport_cuda_ipc.hpp"
@@ -34,6 +35,10 @@ std::vector<uint8_t> unique_id();
 // it was already initialised.
 bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device, size_t slab_bytes);
 
+// Add a segment of `bytes` to the slab (world-collective: every rank, same order, same size;
+// torch_odc_backend.nvshmem agrees on it over the default group first).
+void grow(size_t bytes);
+
 // Windows for the CUDA transport from the slab; pe_of_rank[r] is group rank r's PE. Peers
 // with routed[r] are reached through NVSHMEM's on-stream get / put / signal calls (peers on
 // other hosts, or every peer when ODC_TRANSPORT=nvshmem forces it), the others through
@@ -47,6 +52,7 @@ struct Status {
   int n_pes = 0;
   size_t slab_bytes = 0;  // odc's slab of the symmetric heap (0: none)
   size_t slab_used = 0;   // bytes of it handed to groups' windows and arenas
+  std::vector<std::pair<size_t, size_t>> segments;  // (bytes, used) of each slab segment
   uint64_t routed_copies = 0;   // get / put calls issued to routed peers
   uint64_t routed_signals = 0;  // signals issued to routed peers
 };

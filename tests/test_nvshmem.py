@@ -59,6 +59,29 @@ def test_odc_transport_knob(monkeypatch):
         config.knobs()
 
 
+def test_default_group_creation_brings_nvshmem_up(tmp_path, monkeypatch):
+    """The default group's odc backend calls the NVSHMEM hook (with its store, rank and
+    world) as it is created; later groups do not (their creation is not world-collective)."""
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(odc_nvshmem, "init_from_backend",
+                        lambda store, rank, world: calls.append((store.set("k", b"v"), rank, world)))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("cpu:odc", store=store, rank=0, world_size=1)
+    try:
+        assert calls == [(None, 0, 1)]
+        dist.new_group([0])
+        dist.barrier()
+        assert len(calls) == 1
+    finally:
+        dist.destroy_process_group()
+    if not odc_nvshmem.available():  # the real hook is a no-op in builds without NVSHMEM
+        monkeypatch.undo()
+        monkeypatch.setenv("ODC_TRANSPORT", "nvshmem")
+        assert odc_nvshmem.init_from_backend(None, 0, 2) is False
+
+
 def _collectives_worker(rank, world):
     import torch.distributed as dist
 
@@ -67,7 +90,7 @@ def _collectives_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.cuda.set_device(rank)
-    odc_nvshmem.init()
+    up = odc_nvshmem.status()  # no init() call: the default group's backend brought it up
     g = torch.Generator(device="cuda").manual_seed(100 + rank)
     shard = torch.randn(3 << 20, device="cuda", generator=g, dtype=torch.bfloat16)
     out = torch.empty(world * shard.numel(), device="cuda", dtype=shard.dtype)
@@ -98,7 +121,7 @@ def _collectives_worker(rank, world):
     decoupled = fm.to_wire(run_configs({"bf16_local": dict(mesh=(world,), bf16=True, accumulate="local")},
                                        "cuda")[0])
     return (bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max()), used,
-            decoupled, refused, sub)
+            decoupled, refused, sub, (up["init_status"], up["slab_bytes"], odc_nvshmem.default_slab_bytes(world)))
 
 
 def _cross_host_subgroup_check(rank, world):
@@ -136,7 +159,8 @@ def test_gpu_collectives_and_decoupled_over_nvshmem(split):
                               env=dict(GPU_ENV, **extra), deadline_s=300)
     from test_decoupled import TOL, assert_grads_match
 
-    for rank, (ag_equal, rs_err, (slab_used, copies, signals), decoupled, refused, sub) in results.items():
+    for rank, (ag_equal, rs_err, (slab_used, copies, signals), decoupled, refused, sub, up) in results.items():
+        assert up[0] >= 2 and up[1] == up[2], f"rank {rank}: after init_process_group (status, slab, default) {up}"
         assert ag_equal, rank
         if sub is not None:
             assert sub == (True, True), f"rank {rank}: cross-host sub-group (all-gather, reduce-scatter) {sub}"
@@ -150,21 +174,24 @@ def test_gpu_collectives_and_decoupled_over_nvshmem(split):
 
 
 def _model_sized_worker(rank, world):
-    """init(model=...) after fully_shard sizes the slab from what odc registers; decoupled
-    training over it fits, and its windows and arena come from that slab."""
+    """The backend brought NVSHMEM up with the default slab; init(model=...) after
+    fully_shard grows it by what the model's windows and arena do not find room for,
+    decoupled training runs over it, and a later growth past the heap's first size (the
+    default slab + 512 MiB) still works for a new group's window."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp_models as fm
     import torch_odc_backend as odc
-    from torch_odc_backend.decoupled import arena_bytes
     from test_decoupled import _microbatch_loss
 
     torch.cuda.set_device(rank)
+    first = odc_nvshmem.status()
     model, opt = fm.build(init_device_mesh("cuda", (world,)), seed=5, device="cuda")
-    need, arena = odc_nvshmem.slab_bytes_for(model), arena_bytes(model, "local")
+    blocks = odc_nvshmem.blocks_for(model)
     fresh = odc_nvshmem.init(model=model)
-    slab = odc_nvshmem.status()["slab_bytes"]
-    odc.decouple(model, opt, accumulate="local")
+    sized = odc_nvshmem.status()
+    odc.decouple(model, opt, accumulate="local")  # finds room: no further growth
     losses = []
     for step in range(2):
         for mb in range(2):
@@ -174,21 +201,40 @@ def _model_sized_worker(rank, world):
         odc.sync(model)
         opt.step()
         opt.zero_grad()
-    st = odc_nvshmem.status()
-    return fresh, need, arena, slab, st["slab_used"], st["routed_copies"], losses
+    trained = odc_nvshmem.status()
+    big = odc_nvshmem.ensure_room([2 << 30])  # a 2 GiB segment: past NVSHMEM_SYMMETRIC_SIZE
+    again = odc_nvshmem.ensure_room([2 << 30])  # room now: nothing added
+    ok = True
+    for _ in range(3):  # new windows fill the default slab, then land in the new segment
+        group = dist.new_group(backend="cpu:gloo,cuda:odc")
+        mine = torch.full((1 << 20,), float(rank + 1), device="cuda")
+        out = torch.empty(world << 20, device="cuda")
+        dist.all_gather_into_tensor(out, mine, group=group)
+        ok &= all(bool((out[i << 20:(i + 1) << 20] == i + 1).all()) for i in range(world))
+    return (fresh, first, blocks, sized, trained, big, again, ok, losses, odc_nvshmem.status())
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or not odc_nvshmem.available(),
                     reason="needs >= 2 CUDA GPUs and an ODC_WITH_NVSHMEM=1 build")
-def test_gpu_init_sizes_the_slab_from_the_model():
+def test_gpu_backend_brings_nvshmem_up_and_the_slab_grows():
     results = run_distributed(_model_sized_worker, 2, backend="cpu:gloo,cuda:odc",
                               env=dict(GPU_ENV, ODC_TRANSPORT="nvshmem"), deadline_s=240)
-    for rank, (fresh, need, arena, slab, used, copies, losses) in results.items():
-        assert fresh is True, rank
-        assert slab == need, f"rank {rank}: slab {slab} bytes, slab_bytes_for(model) said {need}"
-        assert arena > 0 and arena < used <= slab, (rank, arena, used, slab)
-        assert copies > 0, "no get / put went through NVSHMEM"
-        assert all(x == x and abs(x) < 1e6 for x in losses), (rank, losses)
+    for rank, (fresh, first, blocks, sized, trained, big, again, ok, losses, last) in results.items():
+        what = f"rank {rank}"
+        assert first["init_status"] >= 2 and first["my_pe"] == rank, (what, first)
+        assert first["slab_bytes"] == odc_nvshmem.default_slab_bytes(2), (what, first)
+        assert fresh is False, what  # joined the backend's initialisation
+        # the default slab holds the two windows; the arena (> 64 MiB headroom? then) grows it
+        assert sized["slab_bytes"] >= first["slab_bytes"], (what, sized)
+        fits = sized["slab_bytes"] - first["slab_bytes"]
+        assert fits in (0, (blocks[-1] + 4095) // 4096 * 4096), (what, blocks, first, sized)
+        assert trained["slab_bytes"] == sized["slab_bytes"], (what, "decouple grew it again", trained)
+        assert trained["slab_used"] > first["slab_used"], (what, trained)
+        assert big == 2 << 30 and again == 0, (what, big, again)
+        assert last["slab_bytes"] == sized["slab_bytes"] + (2 << 30), (what, last)
+        assert last["segments"][-1][1] > 0, f"{what}: no window in the grown segment {last['segments']}"
+        assert ok, f"{what}: all-gather over a window in the grown slab"
+        assert all(x == x and abs(x) < 1e6 for x in losses), (what, losses)
 
 
 def _torch_first_worker(rank, world):

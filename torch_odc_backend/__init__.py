@@ -45,6 +45,12 @@ def _make_inner(store, rank: int, size: int, timeout, group_name: str, global_ra
 def _create_backend(opts, pg_options):
     """Creator for ``dist.Backend.register_backend(..., extended_api=True)``."""
     knobs = config.knobs()
+    if not dist.is_initialized():  # the default group, being created: every rank passes here
+        from . import nvshmem
+
+        # peers routed over NVSHMEM (ODC_TRANSPORT / ODC_HOST_SIZE): bring NVSHMEM up now,
+        # world-collectively, with the unique id through this group's store
+        nvshmem.init_from_backend(opts.store, opts.group_rank, opts.group_size)
     return OdcBackend(
         opts.store,
         opts.group_rank,

@@ -89,6 +89,15 @@ def arena_bytes(model: torch.nn.Module, accumulate: str = "owner") -> int:
     return int(_C.arena_bytes(mesh.size(mesh.ndim - 1), *_arena_sizes(pols, accumulate)))
 
 
+def _make_room_in_nvshmem_slab(model, accumulate: str) -> None:
+    """Where odc's windows come from NVSHMEM's slab (routed peers), grow it for this
+    model's windows and arena unless it has room (collective over the default group)."""
+    from . import nvshmem
+
+    if nvshmem.available() and _C.nvshmem_status()["slab_bytes"] > 0:
+        nvshmem.ensure_room(nvshmem.blocks_for(model, accumulate))
+
+
 def _arena_sizes(policies, accumulate: str):
     """Per group, what the arena holds: shard elements, param-dtype element size, and the
     accumulator's elements (none with accumulate="local")."""
@@ -242,6 +251,8 @@ class DecoupledState:
         self._since = time.perf_counter()
         self.totals = {"busy_s": 0.0, "sync_wait_s": 0.0, "minibatches": 0}
         self.last = {}
+        if self.device.type == "cuda":
+            _make_room_in_nvshmem_slab(model, accumulate)
         self.arena = backend.arena_create(self.device, *_arena_sizes([pol for _, pol in groups], accumulate))
         for g in self.groups:
             g.module.set_custom_all_gather(_AllGather(g))

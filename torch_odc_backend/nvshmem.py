@@ -1,15 +1,20 @@
 """NVSHMEM runtime of the NVSHMEM transport (peers on other hosts; tested on one host).
 
+With ``ODC_TRANSPORT=nvshmem`` (every peer) or an ``ODC_HOST_SIZE`` split (peers on other
+"hosts") set before ``init_process_group``, the default group's odc backend initialises
+NVSHMEM itself (rank 0's unique id through the group's store) and allocates a slab of the
+symmetric heap for two groups' windows; odc's CUDA windows and decoupled-mode arenas come
+from that slab, and the routed peers are reached with NVSHMEM's on-stream get / put / signal
+calls (the others peer-to-peer). ``odc.decouple`` grows the slab by its arena when needed.
+``init(model=model)`` after fully_shard sizes it for the model's groups up front; ``init()``
+also initialises NVSHMEM where the backend did not (other knobs, PyTorch's symmetric memory):
+
     import torch_odc_backend.nvshmem as odc_nvshmem
-    odc_nvshmem.init()                  # collective over the default group, once per process
+    odc_nvshmem.init(model=model)       # collective over the default group; optional
     odc_nvshmem.ring_selftest(1 << 20)  # put-with-signal to the next PE, checked
 
-With ``ODC_TRANSPORT=nvshmem`` (every peer) or ``ODC_HOST_SIZE`` (peers on other "hosts")
-set before the odc groups are created, and ``init()`` called on every rank before the first
-CUDA collective, odc's CUDA windows and decoupled-mode arenas come from a slab of NVSHMEM's
-symmetric heap, and those peers are reached with NVSHMEM's on-stream get / put / signal
-calls (the others peer-to-peer). A peer that NVSHMEM reaches only over the network is refused
-for now: the user's buffers would have to be registered with NVSHMEM first.
+A peer that NVSHMEM reaches only over the network is refused for now: the user's buffers
+would have to be registered with NVSHMEM first.
 
 Available when the extension was built with ``ODC_WITH_NVSHMEM=1`` (CUDA builds; NVSHMEM
 from ``$NVSHMEM_HOME`` or the ``nvidia-nvshmem-cu13`` wheel). The NVSHMEM world is the
@@ -25,6 +30,8 @@ import torch.distributed as dist
 from . import _C, config
 
 __all__ = ["available", "default_slab_bytes", "init", "ring_selftest", "slab_bytes_for", "status"]
+
+_UID_KEY = "odc_nvshmem_unique_id"
 
 
 def available() -> bool:
@@ -64,6 +71,64 @@ def slab_bytes_for(model, accumulate: str = "local") -> int:
             + _round4k(arena))
 
 
+def _routed(world: int) -> bool:
+    """Whether the knobs send some CUDA peer over NVSHMEM."""
+    k = config.knobs()
+    return k.transport == 1 or (k.transport == 0 and 0 < k.host_size < world)
+
+
+def blocks_for(model, accumulate: str = "local") -> list[int]:
+    """What ``slab_bytes_for`` counts, block by block: a window for the world group and each
+    mesh dimension, then the decoupled-mode arena."""
+    from .decoupled import arena_bytes
+
+    k = config.knobs()
+    slots = k.ring_slots or _C.default_ring_slots
+    chunk = k.chunk_bytes or _C.default_chunk_bytes_cuda
+    mesh = next(p for p in model.parameters()).device_mesh
+    window = _C.window_bytes(dist.get_world_size(), chunk, slots)
+    return [window] * (mesh.ndim + 1) + [arena_bytes(model, accumulate)]
+
+
+def init_from_backend(store, rank: int, world: int) -> bool:
+    """Called by the default group's odc backend as it is created (on every rank): when the
+    knobs route some peer over NVSHMEM in an NVSHMEM build, initialise NVSHMEM with rank 0's
+    unique id from the group's store and allocate the default slab. Returns whether it did."""
+    if not available() or not torch.cuda.is_available() or not _routed(world):
+        return False
+    device = torch.cuda.current_device()
+    if _C.nvshmem_status()["init_status"] >= 2:  # joined (its PE numbering is checked)
+        _C.nvshmem_init(b"", rank, world, device, default_slab_bytes(world))
+        return True
+    if rank == 0:
+        store.set(_UID_KEY, _C.nvshmem_unique_id())
+    uid = store.get(_UID_KEY)  # waits for rank 0, up to the store's timeout
+    _C.nvshmem_init(uid, rank, world, device, default_slab_bytes(world))
+    return True
+
+
+def ensure_room(blocks: list[int]) -> int:
+    """Collective over the default group: make sure the slab can hold ``blocks`` (bytes each,
+    placed first fit like windows and arenas), growing it by one segment where some rank
+    lacks room. Returns the bytes added (the same on every rank)."""
+    _require()
+    free = [b - u for b, u in _C.nvshmem_status()["segments"]]
+    missing = 0
+    for blk in blocks:
+        need = _round4k(blk)
+        i = next((i for i, f in enumerate(free) if f >= need), None)
+        if i is None:
+            missing += need
+        else:
+            free[i] -= need
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, missing)  # the segment must be the same size everywhere
+    grow = max(everyone)
+    if grow:
+        _C.nvshmem_grow(grow)
+    return grow
+
+
 def init(slab_bytes: int | None = None, *, model=None) -> bool:
     """Initialise NVSHMEM over the default group (collective; every rank calls it).
 
@@ -71,10 +136,11 @@ def init(slab_bytes: int | None = None, *, model=None) -> bool:
     ``slab_bytes``, or when some peer goes over NVSHMEM (``ODC_TRANSPORT=nvshmem`` or an
     ``ODC_HOST_SIZE`` split) what odc will register: ``slab_bytes_for(model)`` for a
     fully_shard ``model`` (call after fully_shard), else ``default_slab_bytes(world)`` (two
-    groups' windows, no arena); otherwise none. Unless the environment sets it,
-    ``NVSHMEM_SYMMETRIC_SIZE`` becomes the slab + 512 MiB. Windows are never returned to the
-    slab (a bump allocator), and a window or arena that does not fit raises an error naming
-    the bytes it needs.
+    groups' windows, no arena); otherwise none. Where a slab exists already (the default
+    group's backend made one), grows it by what does not fit. Unless the environment sets
+    it, ``NVSHMEM_SYMMETRIC_SIZE`` becomes the first slab + 512 MiB. Windows are never
+    returned to the slab, and a window or arena that does not fit raises an error naming the
+    bytes it needs.
     Returns True when this call initialised NVSHMEM, False when it was already up in this
     process (ours or PyTorch's; the PE numbering is checked either way).
     """
@@ -84,19 +150,24 @@ def init(slab_bytes: int | None = None, *, model=None) -> bool:
     if not torch.cuda.is_available():
         raise RuntimeError("torch_odc_backend.nvshmem.init: NVSHMEM needs CUDA GPUs")
     rank, world = dist.get_rank(), dist.get_world_size()
+    blocks = None  # what the slab must hold, for growing one that exists
     if slab_bytes is None:  # odc's windows need the slab when some peer goes over NVSHMEM
-        k = config.knobs()
-        routed = k.transport == 1 or (k.transport == 0 and 0 < k.host_size < world)
-        if not routed:
+        if not _routed(world):
             slab_bytes = 0
+        elif model is not None:
+            slab_bytes, blocks = slab_bytes_for(model), blocks_for(model)
         else:
-            slab_bytes = slab_bytes_for(model) if model is not None else default_slab_bytes(world)
+            slab_bytes = default_slab_bytes(world)
     # Every rank must agree whether NVSHMEM is up: a unique id is made (and its bootstrap
     # listener started) only when nobody has initialised it yet.
     states = [None] * world
     dist.all_gather_object(states, _C.nvshmem_status()["init_status"] >= 2)
     if all(states):
-        return _C.nvshmem_init(b"", rank, world, torch.cuda.current_device(), int(slab_bytes))
+        had_slab = _C.nvshmem_status()["slab_bytes"] > 0  # the same on every rank (collective)
+        fresh = _C.nvshmem_init(b"", rank, world, torch.cuda.current_device(), int(slab_bytes))
+        if had_slab and slab_bytes:
+            ensure_room(blocks or [int(slab_bytes)])
+        return fresh
     if any(states):
         raise RuntimeError("torch_odc_backend.nvshmem.init: NVSHMEM is initialised on ranks "
                            f"{[r for r, up in enumerate(states) if up]} only")

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from . import _C, config
 
-__all__ = ["available", "default_slab_bytes", "init", "ring_selftest", "slab_bytes_for", "status"]
+__all__ = ["available", "blocks_for", "default_slab_bytes", "ensure_room", "init", "ring_selftest",
+           "slab_bytes_for", "status"]
 
 _UID_KEY = "odc_nvshmem_unique_id"
 
@@ -50,25 +51,41 @@ def _round4k(n: int) -> int:
     return (int(n) + 4095) // 4096 * 4096
 
 
-def default_slab_bytes(world: int, groups: int = 2) -> int:
-    """Room for ``groups`` groups' communication windows of ``world`` ranks with the current
-    ring knobs (each about (world + 1) x ODC_RING_SLOTS x ODC_CHUNK_BYTES), plus 64 MiB."""
+_HEADROOM = 64 << 20  # slab bytes beyond the windows and arenas counted
+
+
+def _window_bytes(world: int) -> int:
+    """One group's communication window with the current ring knobs (about (world + 1) x
+    ODC_RING_SLOTS x ODC_CHUNK_BYTES)."""
     k = config.knobs()
     slots = k.ring_slots or _C.default_ring_slots
     chunk = k.chunk_bytes or _C.default_chunk_bytes_cuda
-    return groups * _round4k(_C.window_bytes(world, chunk, slots)) + (64 << 20)
+    return _C.window_bytes(world, chunk, slots)
 
 
-def slab_bytes_for(model, accumulate: str = "local") -> int:
-    """The slab a fully_shard model needs: a window for the world group and for each of its
-    mesh's dimensions, and the decoupled-mode arena of ``odc.decouple(model, ...,
-    accumulate=accumulate)`` ("local" is the mode that runs over NVSHMEM)."""
+def default_slab_bytes(world: int, groups: int = 2) -> int:
+    """Room for ``groups`` groups' communication windows of ``world`` ranks, plus 64 MiB."""
+    return groups * _round4k(_window_bytes(world)) + _HEADROOM
+
+
+def blocks_for(model, accumulate: str = "local") -> list[int]:
+    """What a fully_shard model registers, block by block: a window for the world group and
+    for each of its mesh's dimensions, then the decoupled-mode arena of ``odc.decouple(model,
+    ..., accumulate=accumulate)`` ("local" is the mode that runs over NVSHMEM)."""
     from .decoupled import arena_bytes
 
     arena = arena_bytes(model, accumulate)  # raises on a model without fully_shard modules
     mesh = next(p for p in model.parameters()).device_mesh
-    return (default_slab_bytes(dist.get_world_size(), groups=mesh.ndim + 1)
-            + _round4k(arena))
+    return [_window_bytes(dist.get_world_size())] * (mesh.ndim + 1) + [arena]
+
+
+def _slab_holding(blocks: list[int]) -> int:
+    return sum(_round4k(b) for b in blocks) + _HEADROOM
+
+
+def slab_bytes_for(model, accumulate: str = "local") -> int:
+    """The slab a fully_shard model needs: its ``blocks_for``, plus 64 MiB."""
+    return _slab_holding(blocks_for(model, accumulate))
 
 
 def _routed(world: int) -> bool:
@@ -77,33 +94,18 @@ def _routed(world: int) -> bool:
     return k.transport == 1 or (k.transport == 0 and 0 < k.host_size < world)
 
 
-def blocks_for(model, accumulate: str = "local") -> list[int]:
-    """What ``slab_bytes_for`` counts, block by block: a window for the world group and each
-    mesh dimension, then the decoupled-mode arena."""
-    from .decoupled import arena_bytes
-
-    k = config.knobs()
-    slots = k.ring_slots or _C.default_ring_slots
-    chunk = k.chunk_bytes or _C.default_chunk_bytes_cuda
-    mesh = next(p for p in model.parameters()).device_mesh
-    window = _C.window_bytes(dist.get_world_size(), chunk, slots)
-    return [window] * (mesh.ndim + 1) + [arena_bytes(model, accumulate)]
-
-
 def init_from_backend(store, rank: int, world: int) -> bool:
     """Called by the default group's odc backend as it is created (on every rank): when the
     knobs route some peer over NVSHMEM in an NVSHMEM build, initialise NVSHMEM with rank 0's
     unique id from the group's store and allocate the default slab. Returns whether it did."""
     if not available() or not torch.cuda.is_available() or not _routed(world):
         return False
-    device = torch.cuda.current_device()
-    if _C.nvshmem_status()["init_status"] >= 2:  # joined (its PE numbering is checked)
-        _C.nvshmem_init(b"", rank, world, device, default_slab_bytes(world))
-        return True
-    if rank == 0:
-        store.set(_UID_KEY, _C.nvshmem_unique_id())
-    uid = store.get(_UID_KEY)  # waits for rank 0, up to the store's timeout
-    _C.nvshmem_init(uid, rank, world, device, default_slab_bytes(world))
+    uid = b""  # already up in this process: join it (its PE numbering is checked)
+    if _C.nvshmem_status()["init_status"] < 2:
+        if rank == 0:
+            store.set(_UID_KEY, _C.nvshmem_unique_id())
+        uid = store.get(_UID_KEY)  # waits for rank 0, up to the store's timeout
+    _C.nvshmem_init(uid, rank, world, torch.cuda.current_device(), default_slab_bytes(world))
     return True
 
 
@@ -155,7 +157,8 @@ def init(slab_bytes: int | None = None, *, model=None) -> bool:
         if not _routed(world):
             slab_bytes = 0
         elif model is not None:
-            slab_bytes, blocks = slab_bytes_for(model), blocks_for(model)
+            blocks = blocks_for(model)
+            slab_bytes = _slab_holding(blocks)
         else:
             slab_bytes = default_slab_bytes(world)
     # Every rank must agree whether NVSHMEM is up: a unique id is made (and its bootstrap

@@ -286,6 +286,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
   }
   // One reduction spec per tensor (a coalesced call may mix dtypes); also checks the dtype.
   std::vector<ReduceSpec> specs(inputs.size());
+  RedOp red_op = RedOp::Sum;
   std::vector<at::Tensor> factors;  // tensor PREMUL factors, converted per dtype
   if (!ag) {
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -293,8 +294,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
       spec.dtype = to_dtype(inputs[i].scalar_type(), api);
       switch (op->op_) {
         case c10d::ReduceOp::SUM: spec.scale = 1.0; break;
-        case c10d::ReduceOp::AVG: spec.scale = 1.0 / world; break;
+        case c10d::ReduceOp::AVG: spec.scale = 1.0 / world; red_op = RedOp::Avg; break;
         case c10d::ReduceOp::PREMUL_SUM: {
+          red_op = RedOp::PreMulSum;
           auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op->supplement_.get());
           ODC_CHECK(sup, ValueError, "odc: ", api, ": PREMUL_SUM without a factor");
           if (sup->tensor_factor.defined()) {
@@ -347,13 +349,20 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
     ch.transport->begin_op(stream, ag ? Transport::kAgRing : Transport::kRsRing);
     for (size_t i = 0; i < inputs.size(); ++i) {
       const size_t elem = inputs[i].element_size();
+      const size_t per_rank = (ag ? inputs[i] : outputs[i]).numel() * elem;
+      // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
+      const uint64_t desc =
+          knobs_.match_check
+              ? op_desc(ag ? OpKind::AllGather : OpKind::ReduceScatter,
+                        static_cast<int>(inputs[i].scalar_type()), per_rank,
+                        ag ? 0 : 1 + static_cast<int>(red_op))
+              : 0;
       if (ag) {
-        const size_t shard = inputs[i].numel() * elem;
-        ch.protocol->all_gather(outputs[i].data_ptr(), inputs[i].data_ptr(), shard, seq);
-        bytes += shard * world;
+        ch.protocol->all_gather(outputs[i].data_ptr(), inputs[i].data_ptr(), per_rank, seq, desc);
+        bytes += per_rank * world;
       } else {
         ch.protocol->reduce_scatter(outputs[i].data_ptr(), inputs[i].data_ptr(),
-                                    outputs[i].numel(), elem, specs[i], seq);
+                                    outputs[i].numel(), elem, specs[i], seq, desc);
         bytes += inputs[i].numel() * elem;
       }
     }

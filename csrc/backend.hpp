@@ -38,6 +38,7 @@ struct Knobs {
   int transport = 0;  // CUDA peers: 0 auto (NVSHMEM for other hosts), 1 all NVSHMEM, 2 all CUDA IPC
   int host_size = 0;  // global ranks per host (ranks g, h on one host iff g / n == h / n); 0: one host
   std::vector<int> global_ranks;  // the group's ranks in the default group (NVSHMEM PEs)
+  bool match_check = true;  // ODC_MATCH_CHECK: peers check each collective's descriptor
 };
 
 // One transport + protocol per device type this group has moved data on.

@@ -49,10 +49,10 @@ PYBIND11_MODULE(_C, m) {
                        py::object inner_factory, size_t chunk_bytes, int ring_slots,
                        int reduce_blocks, int64_t small_op_bytes, bool stream_memops,
                        int accumulate_blocks, int transport, int host_size,
-                       std::vector<int> global_ranks) {
+                       std::vector<int> global_ranks, bool match_check) {
              odc::Knobs k{chunk_bytes,    ring_slots,    reduce_blocks, accumulate_blocks,
                           small_op_bytes, stream_memops, transport,     host_size,
-                          std::move(global_ranks)};
+                          std::move(global_ranks), match_check};
              return c10::make_intrusive<odc::OdcBackend>(store, rank, size, timeout,
                                                          std::move(group_name),
                                                          wrap_factory(std::move(inner_factory)), k);
@@ -62,7 +62,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("ring_slots") = 0, py::arg("reduce_blocks") = 0,
            py::arg("small_op_bytes") = -1, py::arg("stream_memops") = false,
            py::arg("accumulate_blocks") = 0, py::arg("transport") = 0, py::arg("host_size") = 0,
-           py::arg("global_ranks") = std::vector<int>{})
+           py::arg("global_ranks") = std::vector<int>{}, py::arg("match_check") = true)
       .def("stats", &odc::OdcBackend::stats,
            "Counters of this group: one-sided ops and bytes, delegated ops.")
       .def("arena_create", &odc::OdcBackend::arena_create, py::arg("device"),

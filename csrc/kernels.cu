@@ -51,17 +51,48 @@ __device__ bool wait_counter(const uint64_t* flag, uint64_t target, uint64_t sta
   return true;
 }
 
+// After wait_counter saw the peer's counter (the same thread: its acquire orders this
+// read after the peer's descriptor store): false, with the mismatch recorded in err,
+// when the descriptor the peer stored differs from this rank's.
+__device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
+                           DeviceError* err_ptr, int peer, unsigned long long op_seq,
+                           const char* op) {
+  const unsigned long long theirs = *reinterpret_cast<const volatile uint64_t*>(desc);
+  if (theirs == expected) return true;
+  volatile DeviceError* err = err_ptr;
+  if (err->code == 0) {
+    err->peer = peer;
+    err->op_seq = op_seq;
+    err->mine = expected;
+    err->theirs = theirs;
+    err->op = op;
+    err->what = nullptr;
+    __threadfence_system();
+    err->code = 2;
+    __threadfence_system();
+  }
+  return false;
+}
+
 __global__ void flag_kernel(FlagOp op) {
   const int t = threadIdx.x;
-  if (op.n_signal > 0) {
-    __threadfence_system();
-    for (int i = t; i < op.n_signal; i += blockDim.x) store_release(op.signal[i], op.signal_value);
+  for (int b = 0; b < kSignalBatches; ++b) {
+    if (op.n_signal[b] == 0) continue;
+    __threadfence_system();  // what precedes (earlier batches included) before these stores
+    __syncwarp();
+    for (int i = t; i < op.n_signal[b]; i += blockDim.x) {
+      store_release(op.signal[b][i], op.signal_value[b]);
+    }
   }
   if (op.n_wait == 0) return;
   const uint64_t start = global_ns();
   for (int i = t; i < op.n_wait; i += blockDim.x) {
     if (!wait_counter(op.wait[i], op.wait_target, start, op.timeout_ns, op.err, op.wait_peer[i],
                       op.op_seq, op.op, op.what)) {
+      return;
+    }
+    if (op.desc_expected &&
+        !check_desc(op.desc[i], op.desc_expected, op.err, op.wait_peer[i], op.op_seq, op.op)) {
       return;
     }
   }
@@ -231,7 +262,9 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
         if (threadIdx.x < s.n) {
           const int k = s.first + threadIdx.x;
           if (!wait_counter(static_cast<const uint64_t*>(op.ptrs[k]), s.value, start,
-                            op.timeout_ns, op.err, op.peers[k], op.op_seq, op.op, s.what)) {
+                            op.timeout_ns, op.err, op.peers[k], op.op_seq, op.op, s.what) ||
+              (s.desc && !check_desc(static_cast<const uint64_t*>(op.ptrs[k + s.n]), s.desc,
+                                     op.err, op.peers[k], op.op_seq, op.op))) {
             failed = 1;
           }
         }

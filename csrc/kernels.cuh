@@ -10,30 +10,37 @@
 
 namespace odc {
 
-// Written by a device-side wait that timed out; read by the host (mapped memory).
+// Written by a device-side wait that timed out or found a peer's descriptor different
+// from this rank's; read by the host (mapped memory).
 struct DeviceError {
-  int code;  // 0: none, 1: a wait timed out
+  int code;  // 0: none, 1: a wait timed out, 2: a descriptor mismatch
   int peer;
   unsigned long long op_seq;
-  unsigned long long target;
+  unsigned long long target;  // timeout: the counter value waited for, and the one seen
   unsigned long long seen;
+  unsigned long long mine;    // mismatch: this rank's descriptor, and the peer's
+  unsigned long long theirs;
   const char* op;    // WaitSite strings are literals: their addresses stay valid
   const char* what;
 };
 
 constexpr int kMaxPeers = 64;
+constexpr int kSignalBatches = 2;  // e.g. descriptors, then the counters announcing the data
 
-// Store `signal_value` into each signal counter (announcing the work that
-// precedes this kernel on its stream), then wait until every wait counter is
-// >= wait_target, or record a timeout in `err` and return.
+// Store each batch of signals in order (batch b's value into its counters: announcing
+// the work that precedes this kernel on its stream), then wait until every wait counter
+// is >= wait_target and, with desc_expected != 0, check that the descriptor stored with
+// it equals desc_expected; on a timeout or a mismatch record it in `err` and return.
 struct FlagOp {
-  uint64_t* signal[kMaxPeers];
+  uint64_t* signal[kSignalBatches][kMaxPeers];
   const uint64_t* wait[kMaxPeers];
+  const uint64_t* desc[kMaxPeers];  // parallel to wait
   int wait_peer[kMaxPeers];
-  int n_signal;
+  int n_signal[kSignalBatches];
   int n_wait;
-  unsigned long long signal_value;
+  unsigned long long signal_value[kSignalBatches];
   unsigned long long wait_target;
+  unsigned long long desc_expected;
   unsigned long long timeout_ns;
   unsigned long long op_seq;
   const char* op;
@@ -65,6 +72,8 @@ struct FusedStep {
   uint16_t pad;
   float scale;               // reduce
   unsigned long long value;  // wait target, signal value, copy bytes or reduce numel
+  unsigned long long desc;   // wait: the descriptor each awaited peer stored (0: unchecked),
+                             // its address at ptrs[first + n + i]
   void* dst;
   const void* src;
   const float* scale_ptr;    // reduce: tensor factor (device, fp32) or null
@@ -78,7 +87,7 @@ constexpr int kFusedThreads = 1024;
 
 struct FusedOp {
   FusedStep steps[kFusedMaxSteps];  // grouped by lane
-  const void* ptrs[kFusedMaxPtrs];  // counters (wait/signal) and reduce sources
+  const void* ptrs[kFusedMaxPtrs];  // counters (wait/signal), descriptors, reduce sources
   short peers[kFusedMaxPtrs];       // wait: the peer each counter is about
   unsigned short lane_begin[kFusedMaxLanes + 1];
   int lanes;

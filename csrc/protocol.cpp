@@ -14,6 +14,18 @@ const char* dtype_name(DType d) {
   return "?";
 }
 
+uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes_per_rank, int red_op) {
+  constexpr uint64_t kBytesMask = (uint64_t{1} << 48) - 1;  // 256 TiB per rank
+  return (uint64_t{1} << 63) | (static_cast<uint64_t>(kind) & 7) << 60 |
+         (static_cast<uint64_t>(red_op) & 15) << 56 |
+         (static_cast<uint64_t>(scalar_type) & 255) << 48 | (bytes_per_rank & kBytesMask);
+}
+
+OpDescFields decode_op_desc(uint64_t desc) {
+  return {static_cast<OpKind>((desc >> 60) & 7), static_cast<int>((desc >> 48) & 255),
+          desc & ((uint64_t{1} << 48) - 1), static_cast<int>((desc >> 56) & 15)};
+}
+
 WindowLayout::WindowLayout(int world_, size_t chunk_bytes_, int slots_)
     : world(world_), chunk_bytes(chunk_bytes_), slots(slots_) {
   if (world <= 0 || slots <= 0 || chunk_bytes == 0 || chunk_bytes % 16 != 0) {
@@ -21,8 +33,10 @@ WindowLayout::WindowLayout(int world_, size_t chunk_bytes_, int slots_)
         "odc: invalid window geometry (chunk bytes must be a positive multiple of 16, "
         "ring slots positive)");
   }
-  const size_t flags = static_cast<size_t>(kNumFlagArrays) * world * kFlagStride;
-  ag_ring = (flags + 4095) / 4096 * 4096;
+  flags_bytes = static_cast<size_t>(kNumFlagArrays) * world * kFlagStride;
+  descs = flags_bytes;
+  const size_t desc_end = descs + static_cast<size_t>(kNumDescArrays) * world * slots * 8;
+  ag_ring = (desc_end + 4095) / 4096 * 4096;
   rs_ring = ag_ring + static_cast<size_t>(slots) * chunk_bytes;
   total = rs_ring + static_cast<size_t>(world) * slots * chunk_bytes;
 }
@@ -32,6 +46,10 @@ Protocol::Protocol(int rank, int world, const WindowLayout& layout, Transport* t
 
 uint64_t* Protocol::flag_in(int owner, WindowLayout::Flag kind, int index) {
   return reinterpret_cast<uint64_t*>(t_->window(owner) + layout_.flag(kind, index));
+}
+
+uint64_t* Protocol::desc_in(int owner, WindowLayout::Desc kind, int peer, uint64_t chunk) {
+  return reinterpret_cast<uint64_t*>(t_->window(owner) + layout_.desc(kind, peer, chunk));
 }
 
 std::vector<const uint64_t*> Protocol::my_flags(WindowLayout::Flag kind, bool include_self) {
@@ -51,8 +69,11 @@ std::vector<int> Protocol::peers_but_me() const {
 // For chunk k: the owner publishes it into its AG ring (waiting only if a reader
 // still holds the slot from `slots` chunks ago), then this rank gets chunk k of
 // every peer on that peer's lane. Issuing publish(k) before get(k) in this order
-// is deadlock-free even when executed sequentially by a host transport.
-void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_t op_seq) {
+// is deadlock-free even when executed sequentially by a host transport. With a
+// descriptor, the owner stores it in each reader's window before announcing a chunk,
+// and each reader checks it once the chunk is announced.
+void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_t op_seq,
+                          uint64_t desc) {
   char* out_b = static_cast<char*>(out);
   const char* in_b = static_cast<const char*>(in);
   char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
@@ -63,7 +84,9 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
   }
 
   const size_t C = layout_.chunk_bytes;
-  const uint64_t nchunks = (shard_bytes + C - 1) / C;
+  // A checked empty all-gather still exchanges one empty chunk: a peer whose call is not
+  // empty must see the mismatch rather than wait for a chunk that never comes.
+  const uint64_t nchunks = std::max<uint64_t>((shard_bytes + C - 1) / C, desc ? 1 : 0);
   const auto readers = my_flags(WindowLayout::AgAck, false);
   const auto peers = peers_but_me();
   std::vector<uint64_t*> ready_at_readers;
@@ -77,15 +100,23 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
       t_->wait(0, readers, peers, g - layout_.slots + 1,
                {"all_gather", "ring space held by", op_seq});
     }
-    t_->copy(0, t_->window(rank_) + layout_.ag_slot(g), in_b + off, len);
+    if (len) t_->copy(0, t_->window(rank_) + layout_.ag_slot(g), in_b + off, len);
+    if (desc) {
+      std::vector<uint64_t*> desc_at_readers;
+      for (int p : peers) desc_at_readers.push_back(desc_in(p, WindowLayout::AgDesc, rank_, g));
+      t_->signal(0, desc_at_readers, desc);
+    }
     t_->signal(0, ready_at_readers, g + 1);
 
     for (int i = 1; i < world_; ++i) {
       const int p = (rank_ + i) % world_;
+      DescCheck check{{desc_in(rank_, WindowLayout::AgDesc, p, g)}, desc};
       t_->wait(i, {flag_in(rank_, WindowLayout::AgReady, p)}, {p}, g + 1,
-               {"all_gather", "data from", op_seq});
-      t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes + off,
-               t_->window(p) + layout_.ag_slot(g), len);
+               {"all_gather", "data from", op_seq}, desc ? &check : nullptr);
+      if (len) {
+        t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes + off,
+                 t_->window(p) + layout_.ag_slot(g), len);
+      }
       t_->signal(i, {flag_in(p, WindowLayout::AgAck, rank_)}, g + 1);
     }
   }
@@ -97,14 +128,17 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
 // For chunk k: put this rank's contribution for every owner into that owner's
 // landing ring for us (waiting only if the owner has not yet consumed the slot
 // from `slots` chunks ago), then reduce our own chunk once every contribution
-// has landed, in rank order, and free the landing slots.
+// has landed, in rank order, and free the landing slots. With a descriptor, each
+// sender stores it in the owner's window before announcing a chunk, and the owner
+// checks every sender's before reducing.
 void Protocol::reduce_scatter(void* out, const void* in, size_t out_numel, size_t elem_size,
-                              const ReduceSpec& spec, uint64_t op_seq) {
+                              const ReduceSpec& spec, uint64_t op_seq, uint64_t desc) {
   char* out_b = static_cast<char*>(out);
   const char* in_b = static_cast<const char*>(in);
   const size_t part_bytes = out_numel * elem_size;
   const size_t C = layout_.chunk_bytes;  // multiple of 16, so of every element size
-  const uint64_t nchunks = (part_bytes + C - 1) / C;
+  const uint64_t nchunks =  // an empty checked call too: see all_gather
+      std::max<uint64_t>((part_bytes + C - 1) / C, desc && world_ > 1 ? 1 : 0);
   const auto peers = peers_but_me();
   const auto landed = my_flags(WindowLayout::RsReady, false);
   std::vector<uint64_t*> free_at_senders;
@@ -120,19 +154,25 @@ void Protocol::reduce_scatter(void* out, const void* in, size_t out_numel, size_
         t_->wait(i, {flag_in(rank_, WindowLayout::RsFree, p)}, {p}, g - layout_.slots + 1,
                  {"reduce_scatter", "landing space at", op_seq});
       }
-      t_->copy(i, t_->window(p) + layout_.rs_slot(rank_, g),
-               in_b + static_cast<size_t>(p) * part_bytes + off, len);
+      if (len) {
+        t_->copy(i, t_->window(p) + layout_.rs_slot(rank_, g),
+                 in_b + static_cast<size_t>(p) * part_bytes + off, len);
+      }
+      if (desc) t_->signal(i, {desc_in(p, WindowLayout::RsDesc, rank_, g)}, desc);
       t_->signal(i, {flag_in(p, WindowLayout::RsReady, rank_)}, g + 1);
     }
     if (world_ > 1) {
-      t_->wait(0, landed, peers, g + 1, {"reduce_scatter", "data from", op_seq});
+      DescCheck check{{}, desc};
+      for (int p : peers) check.descs.push_back(desc_in(rank_, WindowLayout::RsDesc, p, g));
+      t_->wait(0, landed, peers, g + 1, {"reduce_scatter", "data from", op_seq},
+               desc ? &check : nullptr);
     }
     std::vector<const void*> srcs;
     for (int src = 0; src < world_; ++src) {
       srcs.push_back(src == rank_ ? in_b + static_cast<size_t>(rank_) * part_bytes + off
                                   : t_->window(rank_) + layout_.rs_slot(src, g));
     }
-    t_->reduce(0, out_b + off, srcs, len / elem_size, spec);
+    if (len) t_->reduce(0, out_b + off, srcs, len / elem_size, spec);
     if (world_ > 1) t_->signal(0, free_at_senders, g + 1);
   }
   rs_chunks_ += nchunks;

@@ -11,6 +11,10 @@
 // local memory and signals are single remote stores of a counter value (no
 // remote atomics). Buffer reuse is protected by these counters: a producer
 // waits only when its ring is full, never for a whole collective to finish.
+// Next to each chunk a producer stores its operation's *descriptor* (what it is,
+// dtype, bytes per rank, reduce op) in the waiting rank's window; the waiting rank
+// compares it with its own, so ranks that disagree about a collective fail with an
+// error naming both sides instead of exchanging wrong data.
 #pragma once
 
 #include <chrono>
@@ -26,6 +30,21 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 const char* dtype_name(DType d);
 
+// A collective's descriptor: one 64-bit word that every rank of the group computes for
+// its own call and checks against its peers'. 0 means "not checked" (ODC_MATCH_CHECK=0).
+//   bit 63: set (a descriptor, never a stale zero)   bits 60-62: kind
+//   bits 56-59: reduce op (reduce-scatter)           bits 48-55: element type (c10 ScalarType)
+//   bits 0-47: bytes per rank (an all-gather's shard, a reduce-scatter's output)
+enum class OpKind : int { AllGather = 1, ReduceScatter = 2 };
+uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes_per_rank, int red_op);
+struct OpDescFields {
+  OpKind kind;
+  int scalar_type;
+  uint64_t bytes_per_rank;
+  int red_op;  // 0 for an all-gather; 1 + RedOp for a reduce-scatter
+};
+OpDescFields decode_op_desc(uint64_t desc);
+
 // How the owner combines the world's contributions: out = scale * sum(inputs),
 // summed in fp32 in rank order (deterministic), rounded once to the dtype.
 struct ReduceSpec {
@@ -38,6 +57,7 @@ struct ReduceSpec {
 struct WindowLayout {
   static constexpr size_t kFlagStride = 128;  // one counter per 128-byte line
   enum Flag : int { AgReady = 0, AgAck, RsReady, RsFree, kNumFlagArrays };
+  enum Desc : int { AgDesc = 0, RsDesc, kNumDescArrays };
 
   WindowLayout() = default;
   WindowLayout(int world, size_t chunk_bytes, int slots);
@@ -45,6 +65,8 @@ struct WindowLayout {
   int world = 0;
   size_t chunk_bytes = 0;
   int slots = 0;
+  size_t flags_bytes = 0;  // the counters come first
+  size_t descs = 0;    // offset of the descriptors: per kind, peer and ring slot, 8 bytes
   size_t ag_ring = 0;  // offset of the AG ring (slots * chunk_bytes)
   size_t rs_ring = 0;  // offset of the RS landing rings (world * slots * chunk_bytes)
   size_t total = 0;
@@ -52,6 +74,11 @@ struct WindowLayout {
   // Offset of counter `kind`[index]: index is the peer the counter is about.
   size_t flag(Flag kind, int index) const {
     return (static_cast<size_t>(kind) * world + index) * kFlagStride;
+  }
+  // Offset of the descriptor `peer` stored with chunk `chunk` of ring `kind` (in the
+  // window of the rank that waits for that chunk).
+  size_t desc(Desc kind, int peer, uint64_t chunk) const {
+    return descs + ((static_cast<size_t>(kind) * world + peer) * slots + chunk % slots) * 8;
   }
   size_t ag_slot(uint64_t chunk) const { return ag_ring + (chunk % slots) * chunk_bytes; }
   size_t rs_slot(int src, uint64_t chunk) const {
@@ -66,6 +93,14 @@ struct WaitSite {
   uint64_t op_seq;       // the group's collective sequence number
 };
 
+// What a wait also checks once its counters are reached: descs[i] (in this rank's window,
+// stored by peer i with the data that counter announces) must equal `expected`, this
+// rank's own descriptor. A mismatch fails the group with both descriptors named.
+struct DescCheck {
+  std::vector<const uint64_t*> descs;  // parallel to the wait's counters
+  uint64_t expected = 0;
+};
+
 // A transport moves bytes and counters between windows. Work is issued on
 // *lanes*: lane 0 is the operation's own ordering domain, lane i (1..world-1)
 // carries the traffic with peer (rank + i) % world. A host transport executes
@@ -74,10 +109,11 @@ class Transport {
  public:
   virtual ~Transport() = default;
   virtual char* window(int rank) = 0;
-  // Block lane until every counter (in this rank's window) is >= target.
+  // Block lane until every counter (in this rank's window) is >= target; then, with a
+  // check, compare the peers' descriptors with this rank's.
   virtual void wait(int lane, const std::vector<const uint64_t*>& flags,
-                    const std::vector<int>& peers, uint64_t target,
-                    const WaitSite& site) = 0;
+                    const std::vector<int>& peers, uint64_t target, const WaitSite& site,
+                    const DescCheck* check = nullptr) = 0;
   // After everything issued on the lane before it, store value into each counter.
   virtual void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) = 0;
   virtual void copy(int lane, void* dst, const void* src, size_t bytes) = 0;
@@ -118,15 +154,18 @@ class Protocol {
   Protocol(int rank, int world, const WindowLayout& layout, Transport* transport);
 
   // out holds world * shard_bytes; in holds shard_bytes (may alias out's own part).
-  void all_gather(void* out, const void* in, size_t shard_bytes, uint64_t op_seq);
+  // desc: this rank's op_desc() of the call, checked against every peer's (0: unchecked).
+  void all_gather(void* out, const void* in, size_t shard_bytes, uint64_t op_seq,
+                  uint64_t desc = 0);
   // in holds world * out_numel elements; out holds out_numel.
   void reduce_scatter(void* out, const void* in, size_t out_numel, size_t elem_size,
-                      const ReduceSpec& spec, uint64_t op_seq);
+                      const ReduceSpec& spec, uint64_t op_seq, uint64_t desc = 0);
 
   const WindowLayout& layout() const { return layout_; }
 
  private:
   uint64_t* flag_in(int owner, WindowLayout::Flag kind, int index);
+  uint64_t* desc_in(int owner, WindowLayout::Desc kind, int peer, uint64_t chunk);
   std::vector<const uint64_t*> my_flags(WindowLayout::Flag kind, bool include_self);
   std::vector<int> peers_but_me() const;
 

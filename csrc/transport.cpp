@@ -1,5 +1,7 @@
 #include "transport.hpp"
 
+#include <c10/core/ScalarType.h>
+
 #include "text.hpp"
 
 namespace odc {
@@ -26,6 +28,30 @@ std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint6
              peer, " (counter ", seen, ", needed ", target,
              "); that rank is dead, stuck, or issued different collectives. The group cannot "
              "be used any more.");
+}
+
+std::string describe_desc(uint64_t desc) {
+  if (desc == 0) return "nothing (no descriptor was stored: a different collective)";
+  const OpDescFields f = decode_op_desc(desc);
+  const char* kind = f.kind == OpKind::AllGather       ? "all_gather"
+                     : f.kind == OpKind::ReduceScatter ? "reduce_scatter"
+                                                       : "unknown collective";
+  const std::string type =
+      f.scalar_type < static_cast<int>(c10::ScalarType::NumOptions)
+          ? std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(f.scalar_type)).first)
+          : "unknown dtype";
+  static const char* const kOps[] = {"", ", SUM", ", AVG", ", PREMUL_SUM"};
+  const char* op = f.red_op >= 0 && f.red_op < 4 ? kOps[f.red_op] : ", unknown reduce op";
+  return cat(kind, " of ", f.bytes_per_rank, " bytes per rank (", type, op, ")");
+}
+
+std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t mine,
+                              uint64_t theirs) {
+  return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer,
+             " issued a different collective than this rank (rank ", rank, "): this rank's is ",
+             describe_desc(mine), ", rank ", peer, "'s is ", describe_desc(theirs),
+             ". Every rank of a group must issue the same collectives in the same order, with "
+             "the same sizes, dtypes and reduce ops. The group cannot be used any more.");
 }
 
 }  // namespace odc

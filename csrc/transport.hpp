@@ -35,5 +35,10 @@ void store_barrier(const TransportArgs& a, const std::string& name);
 
 std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint64_t seen,
                           std::chrono::milliseconds timeout);
+// "all_gather of 32 bytes per rank (float32)", from an op_desc() word.
+std::string describe_desc(uint64_t desc);
+// The error of a failed DescCheck: `rank` expected `mine`, `peer` stored `theirs`.
+std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t mine,
+                              uint64_t theirs);
 
 }  // namespace odc

@@ -119,8 +119,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
   std::memset(err_host_, 0, sizeof(DeviceError));
   check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0),
         "mapping the error record");
-  pending_.assign(a_.world, {});
-  pending_value_.assign(a_.world, 0);
+  pending_.assign(a_.world, PendingSignals{});
   lane_used_.assign(a_.world, false);
   if (stream_memops) load_memops();
   if (wait_value_) {
@@ -258,7 +257,7 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
   if (!unmet) return false;
   // Release: every counter of the window, and each stuck one elsewhere, far beyond any
   // target (the group is unusable from now on).
-  const size_t flag_bytes = a_.layout.ag_ring;  // the window's counters come first
+  const size_t flag_bytes = a_.layout.flags_bytes;  // the window's counters come first
   std::vector<uint64_t> counters(flag_bytes / sizeof(uint64_t), released);
   (void)cudaMemcpyAsync(bases_[a_.rank], counters.data(), flag_bytes, cudaMemcpyHostToDevice,
                         wd_stream_);
@@ -343,41 +342,45 @@ void CudaIpcTransport::begin_op(void* stream, Ring ring) {
 
 void CudaIpcTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
                             const std::vector<int>& peers, uint64_t target,
-                            const WaitSite& site) {
+                            const WaitSite& site, const DescCheck* check) {
   Step s{kStepWait, lane, static_cast<int>(ptrs_.size()), static_cast<int>(flags.size()),
-         target, nullptr, nullptr, {}, site};
+         target, check ? check->expected : 0, nullptr, nullptr, {}, site};
   ptrs_.insert(ptrs_.end(), flags.begin(), flags.end());
   peers_.insert(peers_.end(), peers.begin(), peers.end());
+  if (check) {  // the descriptors follow the counters (peers_ stays parallel to ptrs_)
+    ptrs_.insert(ptrs_.end(), check->descs.begin(), check->descs.end());
+    peers_.insert(peers_.end(), peers.begin(), peers.end());
+  }
   steps_.push_back(s);
 }
 
 void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) {
   Step s{kStepSignal, lane, static_cast<int>(ptrs_.size()), static_cast<int>(flags.size()),
-         value, nullptr, nullptr, {}, {}};
+         value, 0, nullptr, nullptr, {}, {}};
   ptrs_.insert(ptrs_.end(), flags.begin(), flags.end());
   peers_.resize(ptrs_.size(), -1);
   steps_.push_back(s);
 }
 
 void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) {
-  steps_.push_back(Step{kStepCopy, lane, 0, 0, bytes, dst, src, {}, {}});
+  steps_.push_back(Step{kStepCopy, lane, 0, 0, bytes, 0, dst, src, {}, {}});
 }
 
 void CudaIpcTransport::accumulate(int lane, float* dst, const void* src, size_t numel,
                                   DType dtype) {
   ReduceSpec spec;
   spec.dtype = dtype;
-  steps_.push_back(Step{kStepAccumulate, lane, 0, 0, numel, dst, src, spec, {}});
+  steps_.push_back(Step{kStepAccumulate, lane, 0, 0, numel, 0, dst, src, spec, {}});
 }
 
 void CudaIpcTransport::fill_zero(int lane, void* dst, size_t bytes) {
-  steps_.push_back(Step{kStepZero, lane, 0, 0, bytes, dst, nullptr, {}, {}});
+  steps_.push_back(Step{kStepZero, lane, 0, 0, bytes, 0, dst, nullptr, {}, {}});
 }
 
 void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                               size_t numel, const ReduceSpec& spec) {
   Step s{kStepReduce, lane, static_cast<int>(ptrs_.size()), static_cast<int>(srcs.size()),
-         numel, dst, nullptr, spec, {}};
+         numel, 0, dst, nullptr, spec, {}};
   ptrs_.insert(ptrs_.end(), srcs.begin(), srcs.end());
   peers_.resize(ptrs_.size(), -1);
   steps_.push_back(s);
@@ -447,6 +450,7 @@ void CudaIpcTransport::run_fused() {
       f.scale = static_cast<float>(s.spec.scale);
       f.scale_ptr = s.spec.scale_ptr;
       f.value = s.value;
+      f.desc = s.desc;
       f.dst = s.dst;
       f.src = s.src;
       f.what = s.site.what;
@@ -477,20 +481,12 @@ void CudaIpcTransport::run_on_copy_engines() {
   }
   check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
   std::fill(lane_used_.begin(), lane_used_.end(), false);
-  std::vector<const uint64_t*> waits;
-  std::vector<int> peers;
   std::vector<uint64_t*> sigs;
   std::vector<const void*> srcs;
   for (const Step& s : steps_) {
     switch (s.kind) {
       case kStepWait:
-        waits.clear();
-        peers.clear();
-        for (int i = 0; i < s.n; ++i) {
-          waits.push_back(static_cast<const uint64_t*>(ptrs_[s.first + i]));
-          peers.push_back(peers_[s.first + i]);
-        }
-        launch_flags(s.lane, waits, peers, s.value, &s.site);
+        launch_flags(s.lane, &s);
         break;
       case kStepSignal:
         sigs.clear();
@@ -540,44 +536,49 @@ cudaStream_t CudaIpcTransport::lane_stream(int lane) const {
   return lane == 0 ? op_stream_ : cur_->side[lane - 1];
 }
 
-void CudaIpcTransport::launch_flags(int lane, const std::vector<const uint64_t*>& waits,
-                                    const std::vector<int>& peers, uint64_t target,
-                                    const WaitSite* site) {
+void CudaIpcTransport::launch_flags(int lane, const Step* wait) {
   fork_lane(lane);
-  if (wait_value_) {  // stream memory operations: no kernel, no SM (signals went out at once)
+  if (wait && wait_value_) {  // stream memory operations: no kernel, no SM (signals went out at once)
     const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
-    for (size_t i = 0; i < waits.size(); ++i) {
-      if (wait_value_(s, reinterpret_cast<CUdeviceptr>(waits[i]), target,
+    for (int i = 0; i < wait->n; ++i) {
+      const auto* flag = static_cast<const uint64_t*>(ptrs_[wait->first + i]);
+      if (wait_value_(s, reinterpret_cast<CUdeviceptr>(flag), wait->value,
                       CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
         throw std::runtime_error("odc: cuStreamWaitValue64 failed");
       }
-      op_waits_.push_back(WaitRec{waits[i], target, peers[i], *site});
+      op_waits_.push_back(WaitRec{flag, wait->value, peers_[wait->first + i], wait->site});
     }
-    return;
+    if (!wait->desc) return;
+    // The descriptors are checked by a flag kernel behind those waits (met by then).
   }
   FlagOp op{};
-  op.n_signal = static_cast<int>(pending_[lane].size());
-  for (int i = 0; i < op.n_signal; ++i) op.signal[i] = pending_[lane][i];
-  op.signal_value = pending_value_[lane];
-  op.n_wait = static_cast<int>(waits.size());
-  for (int i = 0; i < op.n_wait; ++i) {
-    op.wait[i] = waits[i];
-    op.wait_peer[i] = peers[i];
+  PendingSignals& p = pending_[lane];
+  for (int b = 0; b < p.batches; ++b) {
+    op.n_signal[b] = static_cast<int>(p.flags[b].size());
+    std::copy(p.flags[b].begin(), p.flags[b].end(), op.signal[b]);
+    op.signal_value[b] = p.value[b];
   }
-  op.wait_target = target;
+  if (wait) {
+    op.n_wait = wait->n;
+    for (int i = 0; i < wait->n; ++i) {
+      op.wait[i] = static_cast<const uint64_t*>(ptrs_[wait->first + i]);
+      op.wait_peer[i] = peers_[wait->first + i];
+      if (wait->desc) op.desc[i] = static_cast<const uint64_t*>(ptrs_[wait->first + wait->n + i]);
+    }
+    op.wait_target = wait->value;
+    op.desc_expected = wait->desc;
+    op.op_seq = wait->site.op_seq;
+    op.op = wait->site.op;
+    op.what = wait->site.what;
+  }
   op.timeout_ns = static_cast<unsigned long long>(a_.timeout.count()) * 1000000ull;
-  if (site) {
-    op.op_seq = site->op_seq;
-    op.op = site->op;
-    op.what = site->what;
-  }
   op.err = err_dev_;
   check(launch_flag_op(op, lane_stream(lane)), "launching a flag kernel");
-  pending_[lane].clear();
+  p = PendingSignals{};
 }
 
 void CudaIpcTransport::flush_signals(int lane) {
-  if (!pending_[lane].empty()) launch_flags(lane, {}, {}, 0, nullptr);
+  if (pending_[lane].batches > 0) launch_flags(lane, nullptr);
 }
 
 void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flags,
@@ -619,12 +620,20 @@ void CudaIpcTransport::issue_direct_signal(int lane, const std::vector<uint64_t*
     }
     return;
   }
-  if (!pending_[lane].empty() &&
-      (pending_value_[lane] != value || pending_[lane].size() + flags.size() > kMaxPeers)) {
-    flush_signals(lane);
+  PendingSignals* p = &pending_[lane];
+  if (p->batches > 0 && p->value[p->batches - 1] == value &&
+      p->flags[p->batches - 1].size() + flags.size() <= static_cast<size_t>(kMaxPeers)) {
+    auto& last = p->flags[p->batches - 1];  // the same value: one batch
+    last.insert(last.end(), flags.begin(), flags.end());
+    return;
   }
-  pending_[lane].insert(pending_[lane].end(), flags.begin(), flags.end());
-  pending_value_[lane] = value;
+  if (p->batches == kSignalBatches) {
+    flush_signals(lane);
+    p = &pending_[lane];
+  }
+  p->flags[p->batches].assign(flags.begin(), flags.end());
+  p->value[p->batches] = value;
+  ++p->batches;
 }
 
 // Before a data step on a lane: pending signals first, the lane forked from the op stream.
@@ -671,12 +680,15 @@ void CudaIpcTransport::issue_reduce(int lane, void* dst, const std::vector<const
 
 std::string CudaIpcTransport::async_error() {
   volatile DeviceError* e = err_host_;
-  if (e->code == 0) return {};
+  const int code = e->code;
+  if (code == 0) return {};
+  std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before code
   const char* op = e->op;
   const char* what = e->what;
   WaitSite site{op ? op : "collective", what ? what : "a counter of", e->op_seq};
-  return describe_wait(site, e->peer, e->target, e->seen, a_.timeout) +
-         " (detected on the GPU; results of this and later collectives are invalid)";
+  const std::string text = code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs)
+                                     : describe_wait(site, e->peer, e->target, e->seen, a_.timeout);
+  return text + " (detected on the GPU; results of this and later collectives are invalid)";
 }
 
 }  // namespace odc

@@ -66,7 +66,7 @@ class CudaIpcTransport final : public Transport {
 
   char* window(int rank) override { return bases_[rank]; }
   void wait(int lane, const std::vector<const uint64_t*>& flags, const std::vector<int>& peers,
-            uint64_t target, const WaitSite& site) override;
+            uint64_t target, const WaitSite& site, const DescCheck* check) override;
   void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) override;
   void copy(int lane, void* dst, const void* src, size_t bytes) override;
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
@@ -81,12 +81,14 @@ class CudaIpcTransport final : public Transport {
   std::string async_error() override;
 
  private:
-  // One recorded step; counters / reduce sources live in ptrs_ / peers_ [first, first + n).
+  // One recorded step; counters / reduce sources live in ptrs_ / peers_ [first, first + n),
+  // a checked wait's descriptors after them, in [first + n, first + 2n).
   struct Step {
     StepKind kind;
     int lane;
     int first, n;
     uint64_t value;  // wait target, signal value, copy bytes, reduce numel
+    uint64_t desc;   // wait: the descriptor the peers must have stored (0: unchecked)
     void* dst;
     const void* src;
     ReduceSpec spec;
@@ -126,8 +128,8 @@ class CudaIpcTransport final : public Transport {
   void issue_copy(int lane, void* dst, const void* src, size_t bytes);
   void issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
                     const ReduceSpec& spec);
-  void launch_flags(int lane, const std::vector<const uint64_t*>& waits,
-                    const std::vector<int>& peers, uint64_t target, const WaitSite* site);
+  // A flag kernel on the lane: its pending signals, then (if any) the waits of `wait`.
+  void launch_flags(int lane, const Step* wait);
 
   // Side lanes belong to the stream an operation runs on, so collectives issued
   // on different user streams (FSDP's all-gather and reduce-scatter streams) never
@@ -157,9 +159,14 @@ class CudaIpcTransport final : public Transport {
   std::vector<std::vector<char*>> arenas_;    // decoupled mode: per arena, every rank's base
   Lanes* cur_ = nullptr;
   std::vector<bool> lane_used_;
-  // Signals issued on a lane are folded into that lane's next wait kernel.
-  std::vector<std::vector<uint64_t*>> pending_;
-  std::vector<uint64_t> pending_value_;
+  // Signals issued on a lane are folded into that lane's next wait kernel: up to
+  // kSignalBatches batches of counters, each with its value, stored in order.
+  struct PendingSignals {
+    std::vector<uint64_t*> flags[kSignalBatches];
+    uint64_t value[kSignalBatches] = {};
+    int batches = 0;
+  };
+  std::vector<PendingSignals> pending_;
   WaitValueFn wait_value_ = nullptr;
   WriteValueFn write_value_ = nullptr;
   std::vector<WaitRec> op_waits_;  // waits of the operation being issued

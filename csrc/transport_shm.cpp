@@ -170,7 +170,8 @@ ShmTransport::~ShmTransport() {
 }
 
 void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
-                        const std::vector<int>& peers, uint64_t target, const WaitSite& site) {
+                        const std::vector<int>& peers, uint64_t target, const WaitSite& site,
+                        const DescCheck* check) {
   const auto start = std::chrono::steady_clock::now();
   for (size_t i = 0; i < flags.size(); ++i) {
     uint64_t spins = 0;
@@ -194,6 +195,13 @@ void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
         }
         const auto waited = std::chrono::steady_clock::now() - start;
         if (waited > a_.timeout) throw CommError(describe_wait(site, peers[i], target, seen, a_.timeout));
+      }
+    }
+    // The counter's acquire load orders this read after the peer's descriptor store.
+    if (check) {
+      const uint64_t theirs = __atomic_load_n(check->descs[i], __ATOMIC_RELAXED);
+      if (theirs != check->expected) {
+        throw CommError(describe_mismatch(site, a_.rank, peers[i], check->expected, theirs));
       }
     }
   }

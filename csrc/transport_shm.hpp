@@ -16,7 +16,7 @@ class ShmTransport final : public Transport {
 
   char* window(int rank) override { return maps_[rank]; }
   void wait(int lane, const std::vector<const uint64_t*>& flags, const std::vector<int>& peers,
-            uint64_t target, const WaitSite& site) override;
+            uint64_t target, const WaitSite& site, const DescCheck* check) override;
   void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) override;
   void copy(int lane, void* dst, const void* src, size_t bytes) override;
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,

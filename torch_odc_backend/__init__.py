@@ -68,6 +68,7 @@ def _create_backend(opts, pg_options):
         knobs.transport,
         knobs.host_size,
         list(opts.global_ranks_in_group or []),
+        knobs.match_check,
     )
 
 

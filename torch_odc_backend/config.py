@@ -74,6 +74,7 @@ class Knobs:
     stream_memops: bool  # ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory operations (0)
     transport: int  # ODC_TRANSPORT: CUDA peers over 0 auto (NVSHMEM for other hosts), 1 NVSHMEM, 2 CUDA IPC
     host_size: int  # ODC_HOST_SIZE: global ranks per host; 0: every rank on one host
+    match_check: bool  # ODC_MATCH_CHECK: ranks check that their collectives match (1)
 
 
 def knobs() -> Knobs:
@@ -86,4 +87,5 @@ def knobs() -> Knobs:
         stream_memops=_int("ODC_STREAM_MEMOPS", 0, 1) == 1,
         transport=_transport(),
         host_size=_host_size(),
+        match_check=os.environ.get("ODC_MATCH_CHECK", "").strip() == "" or _int("ODC_MATCH_CHECK", 0, 1) == 1,
     )

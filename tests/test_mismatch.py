@@ -1,0 +1,137 @@
+"""Ranks that disagree about a collective (dtype, size, reduce op) get a clear error on
+every rank involved, naming both sides, instead of wrong data (CPU; the GPU version is in
+tests/test_gpu_collectives.py).
+
+One spawned job runs every case, each on a fresh group (a mismatch leaves its group
+unusable, as a timeout does); rank ODD is the one that disagrees, so ranks that agree with
+each other must still see it."""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed, run_once
+from test_collectives import SMALL_RING
+
+WORLD, ODD = 3, 2
+F32, BF16 = torch.float32, torch.bfloat16
+TIMEOUT_S = 30.0  # a mismatch must be found long before the group's timeout
+SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+
+
+def _ag(n, dtype):
+    return lambda g: dist.all_gather_into_tensor(torch.empty(WORLD * n, dtype=dtype),
+                                                 torch.ones(n, dtype=dtype), group=g)
+
+
+def _rs(n, dtype, op):
+    return lambda g: dist.reduce_scatter_tensor(torch.empty(n, dtype=dtype),
+                                                torch.ones(WORLD * n, dtype=dtype), op=op, group=g)
+
+
+def _coalesced_ag(second):
+    def call(g):
+        with dist.distributed_c10d._coalescing_manager(group=g):
+            dist.all_gather_into_tensor(torch.empty(WORLD * 4), torch.ones(4), group=g)
+            dist.all_gather_into_tensor(torch.empty(WORLD * second), torch.ones(second), group=g)
+    return call
+
+
+# name: (what the agreeing ranks call, what rank ODD calls, both descriptors' texts)
+CASES = {
+    "ag_dtype": (_ag(16, F32), _ag(32, BF16),
+                 ("all_gather of 64 bytes per rank (float32)", "all_gather of 64 bytes per rank (bfloat16)")),
+    "ag_size": (_ag(8, F32), _ag(16, F32),
+                ("all_gather of 32 bytes per rank (float32)", "all_gather of 64 bytes per rank (float32)")),
+    "ag_empty": (_ag(8, F32), _ag(0, F32),
+                 ("all_gather of 32 bytes per rank", "all_gather of 0 bytes per rank")),
+    # several chunks of the ring per call: found at the first
+    "ag_size_many_chunks": (_ag(40_000, F32), _ag(50_000, F32),
+                            ("160000 bytes per rank", "200000 bytes per rank")),
+    "rs_op": (_rs(8, F32, SUM), _rs(8, F32, AVG),
+              ("reduce_scatter of 32 bytes per rank (float32, SUM)",
+               "reduce_scatter of 32 bytes per rank (float32, AVG)")),
+    "rs_dtype": (_rs(16, F32, SUM), _rs(32, BF16, SUM),
+                 ("(float32, SUM)", "(bfloat16, SUM)")),
+    "rs_size": (_rs(8, BF16, AVG), _rs(9, BF16, AVG),
+                ("16 bytes per rank (bfloat16, AVG)", "18 bytes per rank (bfloat16, AVG)")),
+    "coalesced_second": (_coalesced_ag(4), _coalesced_ag(6),
+                         ("all_gather of 16 bytes per rank", "all_gather of 24 bytes per rank")),
+}
+
+
+def _worker(rank, world):
+    out = {}
+    for name, (agreed, odd, _) in CASES.items():
+        g = dist.new_group(list(range(world)))
+        t0 = time.monotonic()
+        try:
+            (odd if rank == ODD else agreed)(g)
+            out[name] = dict(error=None)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = dict(error=str(exc), type=type(exc).__name__,
+                             is_runtime=isinstance(exc, RuntimeError))
+        out[name]["elapsed"] = time.monotonic() - t0
+        try:  # the group stays unusable, with the same message
+            _ag(4, F32)(g)
+            out[name]["after"] = None
+        except Exception as exc:  # noqa: BLE001
+            out[name]["after"] = str(exc)
+    # The same disagreement with ODC_MATCH_CHECK=0 (read when a group is created) goes
+    # unnoticed: the data are garbage, which is what the check exists for.
+    os.environ["ODC_MATCH_CHECK"] = "0"
+    unchecked = dist.new_group(list(range(world)))
+    os.environ.pop("ODC_MATCH_CHECK")
+    try:
+        (CASES["ag_dtype"][1] if rank == ODD else CASES["ag_dtype"][0])(unchecked)
+        out["unchecked"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["unchecked"] = str(exc)
+    # Groups that agree were not disturbed by the others' failures.
+    x = torch.arange(5, dtype=F32) + 10 * rank
+    y = torch.empty(world * 5)
+    dist.all_gather_into_tensor(y, x)
+    out["world_after"] = y.tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def run():
+    return run_once(lambda: run_distributed(_worker, WORLD, env=SMALL_RING, timeout_s=TIMEOUT_S,
+                                            deadline_s=240))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mismatch_raises_on_every_rank_naming_both_sides(run, case):
+    res = run()
+    agreed_text, odd_text = CASES[case][2]
+    for rank in range(WORLD):
+        r = res[rank][case]
+        assert r["error"] is not None, f"rank {rank}: {case} completed without an error"
+        assert r["is_runtime"] and r["type"] == "DistBackendError", (rank, r["type"], r["error"])
+        msg = r["error"]
+        assert "issued a different collective" in msg, f"rank {rank}: {msg}"
+        mine, theirs = (odd_text, agreed_text) if rank == ODD else (agreed_text, odd_text)
+        assert re.search(rf"this rank's is [^,]*{re.escape(mine)}", msg), f"rank {rank}: {msg}"
+        peer = ODD if rank != ODD else r"[01]"
+        assert re.search(rf"rank {peer}'s is [^.]*{re.escape(theirs)}", msg), f"rank {rank}: {msg}"
+        assert r["elapsed"] < TIMEOUT_S / 3, f"rank {rank}: took {r['elapsed']:.1f}s (a timeout?)"
+        assert r["after"] is not None and "different collective" in r["after"], (rank, r["after"])
+
+
+def test_check_can_be_turned_off(run):
+    res = run()
+    for rank in range(WORLD):
+        assert res[rank]["unchecked"] is None, f"rank {rank}: {res[rank]['unchecked']}"
+
+
+def test_other_groups_keep_working(run):
+    res = run()
+    want = [float(10 * r + i) for r in range(WORLD) for i in range(5)]
+    for rank in range(WORLD):
+        assert res[rank]["world_after"] == want, (rank, res[rank]["world_after"])

@@ -2,8 +2,11 @@
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
+
+#include <algorithm>
 
 #include "text.hpp"
 #include "transport_shm.hpp"
@@ -106,13 +109,14 @@ std::string describe(const at::Tensor& t) {
 
 OdcBackend::OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                        std::chrono::milliseconds timeout, std::string group_name,
-                       InnerFactory inner, Knobs knobs)
+                       InnerFactory inner, Knobs knobs, SplitFactory split_factory)
     : Backend(rank, size),
       store_(std::move(store)),
       timeout_(timeout),
       group_name_(std::move(group_name)),
       inner_factory_(std::move(inner)),
-      knobs_(knobs) {}
+      knobs_(std::move(knobs)),
+      split_factory_(std::move(split_factory)) {}
 
 OdcBackend::~OdcBackend() {
 #ifdef ODC_WITH_CUDA
@@ -128,23 +132,45 @@ OdcBackend::~OdcBackend() {
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> OdcBackend::getBackendOptions() {
-  auto o = c10::make_intrusive<Options>("odc", timeout_);
+  auto o = c10::make_intrusive<OdcOptions>(timeout_);
   o->group_name = group_name_;
+  for (int r : global_ranks()) o->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
   return o;
 }
 
-static const char* kNoDeviceId =
-    "odc does not support init_process_group(device_id=...): with a bound device, "
-    "DeviceMesh and new_group split the group, which odc does not implement. Remove "
-    "device_id and call torch.cuda.set_device(local_rank) before init_process_group; "
-    "init_device_mesh and new_group then work as usual.";
+std::vector<int> OdcBackend::global_ranks() const {
+  if (!knobs_.global_ranks.empty()) return knobs_.global_ranks;
+  std::vector<int> all(getSize());  // the default group: global rank = group rank
+  for (int r = 0; r < getSize(); ++r) all[r] = r;
+  return all;
+}
 
-void OdcBackend::eagerConnectSingleDevice(at::Device) { ODC_CHECK(false, Error, kNoDeviceId); }
+void OdcBackend::eagerConnectSingleDevice(at::Device device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable();
+  channel(device);
+}
 
-c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10d::Store>&,
-                                                    const std::vector<int>&,
-                                                    const c10::intrusive_ptr<Options>&) {
-  ODC_CHECK(false, Error, kNoDeviceId);
+c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const std::vector<int>& ranks,
+                                                    const c10::intrusive_ptr<Options>& opts) {
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    ODC_CHECK(ranks[i] >= 0 && ranks[i] < getSize() && (i == 0 || ranks[i] > ranks[i - 1]),
+              ValueError, "odc: split: ranks must be distinct ranks of the group (0..",
+              getSize() - 1, "), in ascending order");
+  }
+  const auto me = std::find(ranks.begin(), ranks.end(), getRank());
+  if (me == ranks.end()) return nullptr;
+  ODC_CHECK(split_factory_, Error, "odc: split: this backend was made without a split factory");
+  const std::vector<int> parent = global_ranks();
+  std::vector<int> global;
+  for (int r : ranks) global.push_back(parent[r]);
+  std::string name = opts && !opts->group_name.empty() ? opts->group_name : group_name_ + ":split";
+  // The new group's keys live apart from those of other backends split with it (gloo).
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("odc/", store);
+  return split_factory_(prefixed, static_cast<int>(me - ranks.begin()),
+                        static_cast<int>(ranks.size()), opts ? opts->timeout : timeout_, name,
+                        global);
 }
 
 void OdcBackend::release_inners(bool abort) {

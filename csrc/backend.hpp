@@ -23,6 +23,17 @@
 namespace odc {
 
 using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::string&)>;
+// Makes the odc backend of a group split from this one (the Python layer: knobs, inner
+// backends): (store, rank, size, timeout, group name, the group's global ranks).
+using SplitFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
+    const std::string&, const std::vector<int>&)>;
+
+// The backend's options (what c10d's split_group deep-copies and hands back to split()).
+struct OdcOptions final : c10d::Backend::Options {
+  explicit OdcOptions(std::chrono::milliseconds timeout = kBackendDefaultTimeout)
+      : Options("odc", timeout) {}
+};
 
 // Ring defaults (ODC_CHUNK_BYTES / ODC_RING_SLOTS unset); Python sizes NVSHMEM's slab from them.
 constexpr size_t kDefaultChunkCuda = 32 << 20;
@@ -53,16 +64,21 @@ class OdcBackend final : public c10d::Backend {
  public:
   OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
              std::chrono::milliseconds timeout, std::string group_name, InnerFactory inner,
-             Knobs knobs);
+             Knobs knobs, SplitFactory split_factory = nullptr);
   ~OdcBackend() override;
 
   const std::string getBackendName() const override { return "odc"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
-  // Splitting is claimed only so that init_process_group(device_id=...) reaches
-  // eagerConnectSingleDevice, which refuses it with a message saying what to do.
+  // init_process_group(device_id=...): DeviceMesh and split_group then split groups from
+  // this one instead of creating them anew (new_group still creates them anew).
   bool supportsSplitting() const override { return true; }
+  // Sets up the device's transport now (collective over the group, as every rank passes
+  // its device_id to init_process_group / new_group) instead of at the first collective.
   void eagerConnectSingleDevice(at::Device device) override;
+  // The odc backend of the group of `ranks` (this group's ranks, sorted) for its members,
+  // nullptr elsewhere. Nothing is exchanged here: the new group sets up its transports at
+  // its first collective, among its members only.
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
                                           const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
@@ -142,6 +158,8 @@ class OdcBackend final : public c10d::Backend {
   int64_t arena_size(int64_t arena);  // bytes of its shared layout on each rank
   // The inner backend for a device type ("cpu" / "cuda"), created on first use.
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);
+  // The group's ranks in the default group.
+  std::vector<int> global_ranks() const;
 
  private:
   enum class Kind { AllGather, ReduceScatter };
@@ -169,6 +187,7 @@ class OdcBackend final : public c10d::Backend {
   std::string group_name_;
   InnerFactory inner_factory_;
   Knobs knobs_;
+  SplitFactory split_factory_;
   std::map<c10::DeviceType, Channel> channels_;
   std::vector<ArenaEntry> arenas_;
   std::mutex inner_mu_;  // guards inners_; held while a factory (Python) creates one

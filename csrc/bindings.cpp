@@ -20,8 +20,10 @@ bool python_finalizing() {
 #endif
 }
 
-// Wrap a Python callable so C++ may call it (and drop it) from any thread.
-odc::InnerFactory wrap_factory(py::object fn) {
+// Wrap a Python callable returning a backend so C++ may call it (and drop it) from any
+// thread.
+template <typename... Args>
+std::function<c10::intrusive_ptr<c10d::Backend>(Args...)> wrap_factory(py::object fn) {
   if (fn.is_none()) return nullptr;
   std::shared_ptr<py::object> holder(new py::object(std::move(fn)), [](py::object* o) {
     // Taking the GIL while the interpreter finalizes ends the thread from inside this
@@ -31,9 +33,9 @@ odc::InnerFactory wrap_factory(py::object fn) {
       delete o;
     }
   });
-  return [holder](const std::string& device) {
+  return [holder](Args... args) {
     py::gil_scoped_acquire gil;
-    return (*holder)(device).cast<c10::intrusive_ptr<c10d::Backend>>();
+    return (*holder)(args...).template cast<c10::intrusive_ptr<c10d::Backend>>();
   };
 }
 
@@ -43,26 +45,52 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_odc_backend native core";
   py::module::import("torch.distributed");  // registers c10d's Backend and Store types
 
-  py::class_<odc::OdcBackend, c10d::Backend, c10::intrusive_ptr<odc::OdcBackend>>(m, "OdcBackend")
+  py::class_<odc::OdcBackend, c10d::Backend, c10::intrusive_ptr<odc::OdcBackend>> backend(
+      m, "OdcBackend");
+  py::class_<odc::OdcOptions, c10d::Backend::Options, c10::intrusive_ptr<odc::OdcOptions>>(
+      backend, "Options", "odc's backend options (c10d's split_group copies them)")
+      .def(py::init<>())
+      .def("__copy__", [](const odc::OdcOptions& o) { return c10::make_intrusive<odc::OdcOptions>(o); })
+      .def("__deepcopy__", [](const odc::OdcOptions& o, const py::dict&) {
+        return c10::make_intrusive<odc::OdcOptions>(o);
+      });
+  backend
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, std::string group_name,
                        py::object inner_factory, size_t chunk_bytes, int ring_slots,
                        int reduce_blocks, int64_t small_op_bytes, bool stream_memops,
                        int accumulate_blocks, int transport, int host_size,
-                       std::vector<int> global_ranks, bool match_check) {
+                       std::vector<int> global_ranks, bool match_check, py::object split_factory) {
              odc::Knobs k{chunk_bytes,    ring_slots,    reduce_blocks, accumulate_blocks,
                           small_op_bytes, stream_memops, transport,     host_size,
                           std::move(global_ranks), match_check};
-             return c10::make_intrusive<odc::OdcBackend>(store, rank, size, timeout,
-                                                         std::move(group_name),
-                                                         wrap_factory(std::move(inner_factory)), k);
+             return c10::make_intrusive<odc::OdcBackend>(
+                 store, rank, size, timeout, std::move(group_name),
+                 wrap_factory<const std::string&>(std::move(inner_factory)), k,
+                 wrap_factory<const c10::intrusive_ptr<c10d::Store>&, int, int,
+                              std::chrono::milliseconds, const std::string&,
+                              const std::vector<int>&>(std::move(split_factory)));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("group_name"), py::arg("inner_factory"), py::arg("chunk_bytes") = 0,
            py::arg("ring_slots") = 0, py::arg("reduce_blocks") = 0,
            py::arg("small_op_bytes") = -1, py::arg("stream_memops") = false,
            py::arg("accumulate_blocks") = 0, py::arg("transport") = 0, py::arg("host_size") = 0,
-           py::arg("global_ranks") = std::vector<int>{}, py::arg("match_check") = true)
+           py::arg("global_ranks") = std::vector<int>{}, py::arg("match_check") = true,
+           py::arg("split_factory") = py::none())
+      .def_property_readonly(
+          "options",
+          [](odc::OdcBackend& b) {
+            return c10::static_intrusive_pointer_cast<odc::OdcOptions>(b.getBackendOptions());
+          },
+          "This group's options (c10d's split_group deep-copies them).")
+      .def(
+          "perform_nocolor_split", [](odc::OdcBackend&, const c10::Device&) {},
+          py::arg("device"),
+          "Called by c10d on the ranks outside a new group created from this one: nothing to "
+          "do, an odc group needs no collective set-up from non-members.")
+      .def("global_ranks", &odc::OdcBackend::global_ranks,
+           "This group's ranks in the default group.")
       .def("stats", &odc::OdcBackend::stats,
            "Counters of this group: one-sided ops and bytes, delegated ops.")
       .def("arena_create", &odc::OdcBackend::arena_create, py::arg("device"),

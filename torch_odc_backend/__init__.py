@@ -42,23 +42,17 @@ def _make_inner(store, rank: int, size: int, timeout, group_name: str, global_ra
     return make
 
 
-def _create_backend(opts, pg_options):
-    """Creator for ``dist.Backend.register_backend(..., extended_api=True)``."""
+def _new_backend(store, rank: int, size: int, timeout, group_name: str, global_ranks):
+    """The odc backend of one group: what the creator and a split (init_process_group with
+    device_id: DeviceMesh, split_group) have in common. The ODC_* knobs are read now."""
     knobs = config.knobs()
-    if not dist.is_initialized():  # the default group, being created: every rank passes here
-        from . import nvshmem
-
-        # peers routed over NVSHMEM (ODC_TRANSPORT / ODC_HOST_SIZE): bring NVSHMEM up now,
-        # world-collectively, with the unique id through this group's store
-        nvshmem.init_from_backend(opts.store, opts.group_rank, opts.group_size)
     return OdcBackend(
-        opts.store,
-        opts.group_rank,
-        opts.group_size,
-        opts.timeout,
-        opts.group_id,
-        _make_inner(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id,
-                    opts.global_ranks_in_group),
+        store,
+        rank,
+        size,
+        timeout,
+        group_name,
+        _make_inner(store, rank, size, timeout, group_name, global_ranks),
         knobs.chunk_bytes,
         knobs.ring_slots,
         knobs.reduce_blocks,
@@ -67,9 +61,23 @@ def _create_backend(opts, pg_options):
         knobs.accumulate_blocks,
         knobs.transport,
         knobs.host_size,
-        list(opts.global_ranks_in_group or []),
+        list(global_ranks),
         knobs.match_check,
+        _new_backend,
     )
+
+
+def _create_backend(opts, pg_options):
+    """Creator for ``dist.Backend.register_backend(..., extended_api=True)``."""
+    config.knobs()  # bad knobs fail here, before anything is set up
+    if not dist.is_initialized():  # the default group, being created: every rank passes here
+        from . import nvshmem
+
+        # peers routed over NVSHMEM (ODC_TRANSPORT / ODC_HOST_SIZE): bring NVSHMEM up now,
+        # world-collectively, with the unique id through this group's store
+        nvshmem.init_from_backend(opts.store, opts.group_rank, opts.group_size)
+    return _new_backend(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id,
+                        opts.global_ranks_in_group or [])
 
 
 def _require_eager_module_loading() -> None:

@@ -59,13 +59,17 @@ def batch(seed: int, dp_rank: int, step: int, micro: int = 0, device="cpu"):
     return tok[:, :-1].to(device), tok[:, 1:].to(device)
 
 
-def build(mesh, *, seed=0, reshard_after_forward=True, mp_policy=None, device="cpu"):
-    """Seeded TinyLM, fully_shard per block and on the root, plus AdamW."""
+def build(mesh, *, seed=0, reshard_after_forward=True, mp_policy=None, device="cpu",
+          offload_policy=None):
+    """Seeded TinyLM, fully_shard per block and on the root, plus AdamW. With an offload
+    policy the parameters stay on the host (FSDP2 wants them there)."""
     torch.manual_seed(seed)
-    model = TinyLM().to(device)
+    model = TinyLM().to("cpu" if offload_policy is not None else device)
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kw["offload_policy"] = offload_policy
     for blk in model.blocks:
         fully_shard(blk, **kw)
     fully_shard(model, **kw)

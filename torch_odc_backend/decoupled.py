@@ -15,6 +15,13 @@ has added everything, turns each accumulator into this rank's ``.grad`` (divided
 divides, all-reduced once over the HSDP replicate dimension) and the optimizer step's
 post-hook publishes the new shards.
 
+A minibatch whose optimizer step is skipped (``GradScaler`` found inf/NaN gradients, or the
+loop skips it) is fine: the next forward or ``sync`` starts the next minibatch from the same
+parameters, and gradients then accumulate in ``.grad`` as FSDP2's would until
+``zero_grad``. ``reshard_after_forward`` may be True, False or an int;
+``set_gradient_divide_factor`` is honoured; with ``CPUOffloadPolicy`` the shards are
+published from (and the gradients written to) host memory.
+
 ``accumulate="local"`` trades memory for speed: each rank adds its reduce-scatter inputs
 into a local fp32 buffer (one unsharded gradient, +4 bytes per parameter) and ``sync``
 reduce-scatters it once over the odc group, instead of atomic adds into the owners'
@@ -121,8 +128,7 @@ class _Group:
             if not isinstance(p, DTensor) or p.placements[-1] != Shard(0):
                 raise ValueError("odc decoupled mode needs parameters sharded on dim 0 "
                                  f"(got placements {getattr(p, 'placements', None)})")
-        if policy.gradient_divide_factor is not None:
-            raise ValueError("odc decoupled mode does not support set_gradient_divide_factor yet")
+        self.divide_factor = policy.gradient_divide_factor  # None: FSDP2's default (the DP size)
         self.orig_dtype = policy.params[0].dtype
         self.param_dtype = policy.param_dtype or self.orig_dtype
         self.reduce_dtype = policy.reduce_dtype or self.param_dtype
@@ -140,7 +146,8 @@ class _Group:
                 self.local_event = torch.cuda.Event()
 
     def refresh(self) -> None:
-        self.params = _fsdp_adapter.group_policy(self.module).params
+        policy = _fsdp_adapter.group_policy(self.module)
+        self.params, self.divide_factor = policy.params, policy.gradient_divide_factor
 
     def local_versions(self) -> list[int]:
         return [p.to_local()._version for p in self.params]
@@ -151,10 +158,25 @@ class _Group:
         out = torch.zeros(self.numel, dtype=self.param_dtype, device=self.state.device)
         off = 0
         for p, padded in zip(self.params, self.padded):
-            local = p.to_local().detach().reshape(-1)
+            local = p.to_local().detach().reshape(-1)  # on the host with CPU offload
             out[off:off + local.numel()].copy_(local)
             off += padded
         return out
+
+    def regroup_post_forward(self, gathered: torch.Tensor, out: torch.Tensor, k: int) -> None:
+        """``reshard_after_forward=k`` (int): FSDP2's backward all-gather runs over a group of k
+        ranks, and its output holds, for each of them in turn, the k-th part of every
+        parameter's padded unsharded data (world/k consecutive shards of it), parameter after
+        parameter. ``gathered`` is the world layout (every rank's packed shard, rank after
+        rank); write the k-rank layout into ``out``."""
+        per_rank = self.state.world // k
+        src = gathered.view(k, per_rank, self.numel)
+        dst = out.view(k, per_rank * self.numel)
+        off = 0
+        for padded in self.padded:
+            dst[:, per_rank * off:per_rank * (off + padded)].view(k, per_rank, padded).copy_(
+                src[:, :, off:off + padded])
+            off += padded
 
 
 class _AllGather:
@@ -176,8 +198,14 @@ class _AllGather:
         if output_tensor.dtype != self.group.param_dtype or output_tensor.numel() != st.world * self.group.numel:
             raise RuntimeError("odc decoupled mode: FSDP2's all-gather layout differs from the "
                                f"published one (group {self.group.index})")
+        k = group.size() if group is not None else st.world
         with _range("odc.get"), st._fail_on_error():
-            st.backend.arena_get(st.arena, self.group.index, output_tensor, st.epoch)
+            if k == st.world:
+                st.backend.arena_get(st.arena, self.group.index, output_tensor, st.epoch)
+            else:  # reshard_after_forward=k: backward's all-gather over the post-forward group
+                gathered = torch.empty_like(output_tensor)
+                st.backend.arena_get(st.arena, self.group.index, gathered, st.epoch)
+                self.group.regroup_post_forward(gathered, output_tensor, k)
         return None
 
 
@@ -223,7 +251,14 @@ class DecoupledState:
         groups = _policies(model)
         first = groups[0][1].params[0]
         self.mesh = first.device_mesh
+        # The mesh's device (the arena, the gets and adds); with CPU offload the parameters
+        # and gradients live on the host and are copied to / from it.
         self.device = first.to_local().device
+        if self.device.type != self.mesh.device_type:
+            if self.mesh.device_type != "cuda":
+                raise ValueError(f"odc decoupled mode: parameters on {self.device} but the mesh "
+                                 f"is on {self.mesh.device_type}")
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.shard_dim = self.mesh.ndim - 1
         self.shard_pg = self.mesh.get_group(self.shard_dim)
         self.replicate_pg = self.mesh.get_group(0) if self.mesh.ndim == 2 else None
@@ -249,7 +284,7 @@ class DecoupledState:
         self.broken = ""
         # observability: wall time working vs waiting in sync, per minibatch and in total
         self._since = time.perf_counter()
-        self.totals = {"busy_s": 0.0, "sync_wait_s": 0.0, "minibatches": 0}
+        self.totals = {"busy_s": 0.0, "sync_wait_s": 0.0, "minibatches": 0, "skipped_steps": 0}
         self.last = {}
         if self.device.type == "cuda":
             _make_room_in_nvshmem_slab(model, accumulate)
@@ -286,8 +321,7 @@ class DecoupledState:
     def _check_running(self, what: str) -> None:
         self._check_usable()
         if self.synced:
-            raise RuntimeError(f"odc decoupled mode: {what} after odc.sync() and before "
-                               "optimizer.step(); step the optimizer first")
+            self._next_minibatch(stepped=False)
 
     def _publish(self) -> None:
         for g in self.groups:
@@ -304,6 +338,16 @@ class DecoupledState:
                                "backward passes")
 
     def _after_step(self, optimizer, args, kwargs):
+        self._next_minibatch(stepped=True)
+
+    def _next_minibatch(self, stepped: bool) -> None:
+        """Open the next minibatch: publish this rank's shards for the next epoch. Without an
+        optimizer step since the sync (GradScaler skipped it, or the loop did), the shards are
+        the same; every rank opens the epoch exactly once per sync either way, so they agree."""
+        if not stepped:
+            log.info("odc: minibatch %d ended without an optimizer step (skipped, e.g. by "
+                     "GradScaler); the next one starts from the same parameters", self.epoch)
+            self.totals["skipped_steps"] += 1
         self.epoch += 1
         self.synced = False
         self._publish()
@@ -311,8 +355,8 @@ class DecoupledState:
 
     def sync(self) -> None:
         self._check_usable()
-        if self.synced:
-            raise RuntimeError("odc.sync called twice without optimizer.step() in between")
+        if self.synced:  # no forward since the last sync and no step: an empty minibatch here
+            self._next_minibatch(stepped=False)
         with _range("odc.sync"), torch.no_grad(), self._fail_on_error():
             self._sync()
 
@@ -345,13 +389,15 @@ class DecoupledState:
                 g.local_acc.zero_()
             if self.replicate_pg is not None:
                 dist.all_reduce(acc, group=self.replicate_pg)
-            acc.div_(self.dp_size)  # FSDP2's default: the mean over the data-parallel ranks
+            # FSDP2 divides by set_gradient_divide_factor's factor, else by the DP size (the mean)
+            acc.div_(g.divide_factor if g.divide_factor is not None else self.dp_size)
             off = 0
             for p, padded, trainable in zip(g.params, g.padded, g.trainable):
                 if not trainable:
                     continue
-                local = p.to_local()
-                val = acc[off:off + local.numel()].view(local.shape).to(p.dtype)
+                local = p.to_local()  # on the host with CPU offload
+                val = acc[off:off + local.numel()].view(local.shape).to(device=local.device,
+                                                                        dtype=p.dtype)
                 off += padded
                 if p.grad is None:
                     p.grad = DTensor.from_local(val, p.device_mesh, p.placements,

@@ -15,6 +15,7 @@ HOST_SOURCES = [
     "csrc/transport.cpp",
     "csrc/transport_shm.cpp",
     "csrc/backend.cpp",
+    "csrc/own_collectives.cpp",
     "csrc/bindings.cpp",
 ]
 CUDA_SOURCES = ["csrc/transport_cuda_ipc.cpp", "csrc/kernels.cu"]

@@ -6,7 +6,10 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstring>
 
 #include "text.hpp"
 #include "transport_shm.hpp"
@@ -46,9 +49,12 @@ class OdcWork final : public c10d::Work {
         transport_(transport) {}
 
 #ifdef ODC_WITH_CUDA
-  void set_done_event(std::shared_ptr<at::cuda::CUDAEvent> ev, c10::DeviceIndex dev) {
+  // blocking: wait() blocks the host until the work is done (a barrier's work, as NCCL's)
+  void set_done_event(std::shared_ptr<at::cuda::CUDAEvent> ev, c10::DeviceIndex dev,
+                      bool blocking) {
     done_ = std::move(ev);
     device_ = dev;
+    blocking_ = blocking;
   }
 #endif
 
@@ -64,7 +70,12 @@ class OdcWork final : public c10d::Work {
   bool wait(std::chrono::milliseconds /*timeout*/) override {
     raise_async_error();
 #ifdef ODC_WITH_CUDA
-    if (done_) done_->block(c10::cuda::getCurrentCUDAStream(device_));
+    if (done_ && blocking_) {
+      done_->synchronize();  // a device-side timeout ends the wait too
+      raise_async_error();
+    } else if (done_) {
+      done_->block(c10::cuda::getCurrentCUDAStream(device_));
+    }
 #endif
     return true;
   }
@@ -85,17 +96,27 @@ class OdcWork final : public c10d::Work {
 #ifdef ODC_WITH_CUDA
   std::shared_ptr<at::cuda::CUDAEvent> done_;
   c10::DeviceIndex device_ = 0;
+  bool blocking_ = false;
 #endif
 };
+
+}  // namespace
 
 DType to_dtype(at::ScalarType t, const char* api) {
   switch (t) {
     case at::kFloat: return DType::F32;
     case at::kBFloat16: return DType::BF16;
     case at::kHalf: return DType::F16;
+    case at::kDouble: return DType::F64;
+    case at::kInt: return DType::I32;
+    case at::kLong: return DType::I64;
+    case at::kByte:
+    case at::kBool: return DType::U8;
+    case at::kChar: return DType::I8;
     default:
       C10_THROW_ERROR(TypeError, cat("odc: ", api, ": unsupported dtype ", c10::toString(t),
-                                     " (reductions support float32, bfloat16 and float16)"));
+                                     " (reductions support float32, bfloat16, float16, float64, "
+                                     "int32, int64, uint8, int8 and bool)"));
   }
 }
 
@@ -105,7 +126,26 @@ std::string describe(const at::Tensor& t) {
   return cat(c10::toString(t.scalar_type()), "[", dims, "] on ", t.device());
 }
 
+#ifdef ODC_WITH_CUDA
+namespace {
+// Whether another rank of the group uses this GPU (host name and device UUID compared):
+// NCCL refuses such groups, so odc then serves the inner backend's collectives itself.
+bool shared_by_ranks(const TransportArgs& a, int device) {
+  cudaDeviceProp prop;
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::vector<uint8_t> mine(host, host + std::strlen(host));
+  mine.push_back('/');
+  mine.insert(mine.end(), prop.uuid.bytes, prop.uuid.bytes + sizeof(prop.uuid.bytes));
+  const auto all = exchange_blobs(a, "device", mine);
+  for (int r = 0; r < a.world; ++r) {
+    if (r != a.rank && all[r] == mine) return true;
+  }
+  return false;
+}
 }  // namespace
+#endif
 
 OdcBackend::OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                        std::chrono::milliseconds timeout, std::string group_name,
@@ -257,6 +297,7 @@ Channel& OdcBackend::channel(const c10::Device& device) {
       C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
       C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi));
       ch.async_stream = s;
+      ch.shares_device = shared_by_ranks(a, device.index());
 #else
       ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
                          "built against a CPU-only torch); rebuild it where torch has CUDA");
@@ -278,71 +319,73 @@ Channel& OdcBackend::channel(const c10::Device& device) {
   return channels_.emplace(device.type(), std::move(ch)).first->second;
 }
 
-c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor>& outputs,
-                                               std::vector<at::Tensor>& inputs, bool async_op,
-                                               const c10d::ReduceOp* op, const char* api) {
-  const bool ag = kind == Kind::AllGather;
-  const int world = getSize();
-  // ---- Validate everything before anything is enqueued.
-  ODC_CHECK(!inputs.empty() && inputs.size() == outputs.size(), ValueError, "odc: ", api,
-                    " needs as many outputs as inputs (got ", outputs.size(), " and ",
-                    inputs.size(), ")");
-  const c10::Device device = inputs[0].device();
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const at::Tensor& in = inputs[i];
-    const at::Tensor& out = outputs[i];
-    ODC_CHECK(in.defined() && out.defined(), ValueError, "odc: ", api, ": undefined tensor");
-    ODC_CHECK(in.device() == device && out.device() == device, ValueError, "odc: ", api,
-                      ": all tensors must be on one device, got input ", describe(in),
-                      " and output ", describe(out));
-    ODC_CHECK(device.is_cpu() || device.is_cuda(), ValueError, "odc: ", api,
-                      ": unsupported device ", device);
-    ODC_CHECK(in.is_contiguous() && out.is_contiguous(), ValueError, "odc: ", api,
-                      ": tensors must be contiguous (input ", describe(in), " contiguous=",
-                      in.is_contiguous(), ", output contiguous=", out.is_contiguous(),
-                      "); call .contiguous() first");
-    ODC_CHECK(in.scalar_type() == out.scalar_type(), TypeError, "odc: ", api,
-                     ": input and output dtype differ (", c10::toString(in.scalar_type()),
-                     " vs ", c10::toString(out.scalar_type()), ")");
-    const int64_t big = ag ? out.numel() : in.numel();
-    const int64_t small = ag ? in.numel() : out.numel();
-    ODC_CHECK(big == small * world, ValueError, "odc: ", api, ": size mismatch: ",
-                      ag ? "output" : "input", " has ", big, " elements but must have ",
-                      ag ? "input" : "output", " size x world size = ", small, " x ", world);
-  }
-  // One reduction spec per tensor (a coalesced call may mix dtypes); also checks the dtype.
-  std::vector<ReduceSpec> specs(inputs.size());
-  RedOp red_op = RedOp::Sum;
-  std::vector<at::Tensor> factors;  // tensor PREMUL factors, converted per dtype
-  if (!ag) {
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      ReduceSpec& spec = specs[i];
-      spec.dtype = to_dtype(inputs[i].scalar_type(), api);
-      switch (op->op_) {
-        case c10d::ReduceOp::SUM: spec.scale = 1.0; break;
-        case c10d::ReduceOp::AVG: spec.scale = 1.0 / world; red_op = RedOp::Avg; break;
-        case c10d::ReduceOp::PREMUL_SUM: {
-          red_op = RedOp::PreMulSum;
-          auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op->supplement_.get());
-          ODC_CHECK(sup, ValueError, "odc: ", api, ": PREMUL_SUM without a factor");
-          if (sup->tensor_factor.defined()) {
-            factors.push_back(
-                sup->tensor_factor.to(device, at::kFloat).contiguous());
-            spec.scale_ptr = factors.back().data_ptr<float>();
-          } else {
-            spec.scale = sup->double_factor;
-          }
-          break;
-        }
-        default:
-          ODC_CHECK(false, ValueError, "odc: ", api, ": unsupported reduce op ",
-                            static_cast<int>(op->op_),
-                            " (odc reduce-scatter supports SUM, AVG and PREMUL_SUM; MAX, MIN, "
-                            "PRODUCT and bitwise ops are not supported)");
-      }
-    }
-  }
+void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
+                  const char* what) {
+  ODC_CHECK(t.defined(), ValueError, "odc: ", api, ": undefined ", what);
+  ODC_CHECK(t.device() == device, ValueError, "odc: ", api, ": all tensors must be on one device, ",
+            "got ", what, " ", describe(t), " and others on ", device);
+  ODC_CHECK(device.is_cpu() || device.is_cuda(), ValueError, "odc: ", api,
+            ": unsupported device ", device);
+  ODC_CHECK(t.is_contiguous(), ValueError, "odc: ", api, ": tensors must be contiguous (", what,
+            " ", describe(t), " is not); call .contiguous() first");
+}
 
+ReduceSpec OdcBackend::reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op, const char* api,
+                                   std::vector<at::Tensor>& factors, RedOp* red_op) {
+  ReduceSpec spec;
+  spec.dtype = to_dtype(t.scalar_type(), api);
+  const bool floating = at::isFloatingType(t.scalar_type());
+  const bool boolean = t.scalar_type() == at::kBool;
+  *red_op = RedOp::Sum;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:  // of booleans: a logical or, as NCCL's
+      spec.combine = boolean ? Combine::Max : Combine::Sum;
+      break;
+    case c10d::ReduceOp::AVG:
+      ODC_CHECK(floating, TypeError, "odc: ", api, ": AVG needs a floating-point dtype, got ",
+                c10::toString(t.scalar_type()));
+      spec.scale = 1.0 / getSize();
+      *red_op = RedOp::Avg;
+      break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      ODC_CHECK(floating, TypeError, "odc: ", api, ": PREMUL_SUM needs a floating-point dtype");
+      *red_op = RedOp::PreMulSum;
+      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+      ODC_CHECK(sup, ValueError, "odc: ", api, ": PREMUL_SUM without a factor");
+      if (sup->tensor_factor.defined()) {
+        factors.push_back(sup->tensor_factor.to(t.device(), at::kFloat).contiguous());
+        spec.scale_ptr = factors.back().data_ptr<float>();
+      } else {
+        spec.scale = sup->double_factor;
+      }
+      break;
+    }
+    case c10d::ReduceOp::MAX: spec.combine = Combine::Max; *red_op = RedOp::Max; break;
+    case c10d::ReduceOp::MIN: spec.combine = Combine::Min; *red_op = RedOp::Min; break;
+    case c10d::ReduceOp::PRODUCT:  // of booleans: a logical and
+      spec.combine = boolean ? Combine::Min : Combine::Product;
+      *red_op = RedOp::Product;
+      break;
+    default:
+      ODC_CHECK(false, ValueError, "odc: ", api, ": unsupported reduce op ",
+                static_cast<int>(op.op_),
+                " (odc reduces with SUM, AVG, PREMUL_SUM, MAX, MIN and PRODUCT; not with bitwise "
+                "ops)");
+  }
+  return spec;
+}
+
+uint64_t OdcBackend::desc(OpKind kind, const at::Tensor& t, uint64_t bytes, RedOp op,
+                          bool reduces, int root) const {
+  return knobs_.match_check ? op_desc(kind, static_cast<int>(t.scalar_type()), bytes,
+                                      reduces ? 1 + static_cast<int>(op) : 0, root)
+                            : 0;
+}
+
+c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, bool async_op,
+                                                  c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                  std::vector<at::Tensor> keep, const Body& body,
+                                                  bool blocking) {
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
   Channel& ch = channel(device);
@@ -357,6 +400,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
   void* stream = nullptr;
 #ifdef ODC_WITH_CUDA
   c10::optional<c10::cuda::CUDAStream> op_stream;
+  c10::optional<c10::cuda::CUDAStreamGuard> on_op_stream;  // scratch tensors belong to it
   if (device.is_cuda()) {
     auto current = c10::cuda::getCurrentCUDAStream(device.index());
     op_stream = current;
@@ -368,57 +412,32 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
       ready.block(*op_stream);
     }
     stream = op_stream->stream();
+    on_op_stream.emplace(*op_stream);
   }
 #endif
-  uint64_t bytes = 0;
   try {
-    ch.transport->begin_op(stream, ag ? Transport::kAgRing : Transport::kRsRing);
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const size_t elem = inputs[i].element_size();
-      const size_t per_rank = (ag ? inputs[i] : outputs[i]).numel() * elem;
-      // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
-      const uint64_t desc =
-          knobs_.match_check
-              ? op_desc(ag ? OpKind::AllGather : OpKind::ReduceScatter,
-                        static_cast<int>(inputs[i].scalar_type()), per_rank,
-                        ag ? 0 : 1 + static_cast<int>(red_op))
-              : 0;
-      if (ag) {
-        ch.protocol->all_gather(outputs[i].data_ptr(), inputs[i].data_ptr(), per_rank, seq, desc);
-        bytes += per_rank * world;
-      } else {
-        ch.protocol->reduce_scatter(outputs[i].data_ptr(), inputs[i].data_ptr(),
-                                    outputs[i].numel(), elem, specs[i], seq, desc);
-        bytes += inputs[i].numel() * elem;
-      }
-    }
-    ch.transport->end_op();
+    body(ch, stream, seq);
+  } catch (const c10::Error&) {
+    // Argument errors are raised before anything is issued; anything later is fatal.
+    throw;
   } catch (const std::exception& e) {
     // Counters have advanced and lanes may be half issued: the group cannot go on.
     broken_ = e.what();
     C10_THROW_ERROR(DistBackendError, broken_);
   }
-  count(ag ? "all_gather_ops" : "reduce_scatter_ops", 1);
-  count(ag ? "all_gather_bytes" : "reduce_scatter_bytes", bytes);
 
-  std::vector<at::Tensor> keep(inputs.begin(), inputs.end());
-  keep.insert(keep.end(), factors.begin(), factors.end());
-  const auto type = inputs.size() > 1 ? c10d::OpType::COALESCED
-                    : ag              ? c10d::OpType::_ALLGATHER_BASE
-                                      : c10d::OpType::_REDUCE_SCATTER_BASE;
   c10::intrusive_ptr<c10::ivalue::Future> future;
   auto list_type = c10::ListType::create(c10::TensorType::get());
 #ifdef ODC_WITH_CUDA
   if (device.is_cuda()) {
     if (async_op) {
       // Tensors are used on a stream the caching allocator does not know about.
-      for (auto* ts : {&inputs, &outputs, &factors}) {
+      for (auto* ts : {&keep, &outputs}) {
         for (auto& t : *ts) {
           c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *op_stream);
         }
       }
     }
-    c10::cuda::CUDAStreamGuard guard(*op_stream);
     future = c10::make_intrusive<c10::ivalue::Future>(list_type,
                                                       std::vector<c10::Device>{device});
     future->markCompleted(c10::IValue(outputs));  // records its event on op_stream
@@ -426,7 +445,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
     done->record(*op_stream);
     auto work = c10::make_intrusive<OdcWork>(getRank(), type, outputs, std::move(keep), future,
                                              ch.transport.get());
-    work->set_done_event(std::move(done), device.index());
+    work->set_done_event(std::move(done), device.index(), blocking);
     return work;
   }
 #endif
@@ -434,6 +453,67 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
   future->markCompleted(c10::IValue(outputs));
   return c10::make_intrusive<OdcWork>(getRank(), type, outputs, std::move(keep), future,
                                       ch.transport.get());
+}
+
+c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor>& outputs,
+                                               std::vector<at::Tensor>& inputs, bool async_op,
+                                               const c10d::ReduceOp* op, const char* api) {
+  const bool ag = kind == Kind::AllGather;
+  const int world = getSize();
+  // ---- Validate everything before anything is enqueued.
+  ODC_CHECK(!inputs.empty() && inputs.size() == outputs.size(), ValueError, "odc: ", api,
+                    " needs as many outputs as inputs (got ", outputs.size(), " and ",
+                    inputs.size(), ")");
+  const c10::Device device = inputs[0].device();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& in = inputs[i];
+    const at::Tensor& out = outputs[i];
+    check_tensor(in, device, api, "input");
+    check_tensor(out, device, api, "output");
+    ODC_CHECK(in.scalar_type() == out.scalar_type(), TypeError, "odc: ", api,
+                     ": input and output dtype differ (", c10::toString(in.scalar_type()),
+                     " vs ", c10::toString(out.scalar_type()), ")");
+    const int64_t big = ag ? out.numel() : in.numel();
+    const int64_t small = ag ? in.numel() : out.numel();
+    ODC_CHECK(big == small * world, ValueError, "odc: ", api, ": size mismatch: ",
+                      ag ? "output" : "input", " has ", big, " elements but must have ",
+                      ag ? "input" : "output", " size x world size = ", small, " x ", world);
+  }
+  // One reduction spec per tensor (a coalesced call may mix dtypes); also checks the dtype.
+  std::vector<ReduceSpec> specs(inputs.size());
+  RedOp red_op = RedOp::Sum;
+  std::vector<at::Tensor> keep(inputs.begin(), inputs.end());  // tensor PREMUL factors too
+  if (!ag) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      specs[i] = reduce_spec(inputs[i], *op, api, keep, &red_op);
+    }
+  }
+  const auto type = inputs.size() > 1 ? c10d::OpType::COALESCED
+                    : ag              ? c10d::OpType::_ALLGATHER_BASE
+                                      : c10d::OpType::_REDUCE_SCATTER_BASE;
+  return launch(device, async_op, type, outputs, std::move(keep),
+                [&](Channel& ch, void* stream, uint64_t seq) {
+    uint64_t bytes = 0;
+    ch.transport->begin_op(stream, ag ? Transport::kAgRing : Transport::kRsRing);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const size_t elem = inputs[i].element_size();
+      const size_t per_rank = (ag ? inputs[i] : outputs[i]).numel() * elem;
+      // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
+      const uint64_t d = desc(ag ? OpKind::AllGather : OpKind::ReduceScatter, inputs[i], per_rank,
+                              red_op, !ag);
+      if (ag) {
+        ch.protocol->all_gather(outputs[i].data_ptr(), inputs[i].data_ptr(), per_rank, seq, d);
+        bytes += per_rank * world;
+      } else {
+        ch.protocol->reduce_scatter(outputs[i].data_ptr(), inputs[i].data_ptr(),
+                                    outputs[i].numel(), elem, specs[i], seq, d);
+        bytes += inputs[i].numel() * elem;
+      }
+    }
+    ch.transport->end_op();
+    count(ag ? "all_gather_ops" : "reduce_scatter_ops", 1);
+    count(ag ? "all_gather_bytes" : "reduce_scatter_bytes", bytes);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -480,87 +560,112 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
   return b;
 }
 
-namespace {
-c10::DeviceType type_of(const std::vector<at::Tensor>& ts) {
-  ODC_CHECK(!ts.empty(), ValueError, "odc: collective called with no tensors");
-  return ts[0].device().type();
-}
-}  // namespace
-
 #define ODC_DELEGATE(device_type, call)       \
   do {                                        \
     count("delegated_ops", 1);                \
     return inner(device_type)->call;          \
   } while (0)
 
+// The collectives FSDP does not issue go to the inner backend, or to odc itself where that
+// cannot serve them (serves_itself: own_collectives.cpp).
+#define ODC_SERVE_OR_DELEGATE(device, own, call) \
+  do {                                           \
+    const c10::Device dev_ = (device);           \
+    if (serves_itself(dev_)) return own;         \
+    ODC_DELEGATE(dev_.type(), call);             \
+  } while (0)
+
+namespace {
+c10::Device device_of(const std::vector<at::Tensor>& ts) {
+  ODC_CHECK(!ts.empty() && ts[0].defined(), ValueError, "odc: collective called with no tensors");
+  return ts[0].device();
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> OdcBackend::broadcast(std::vector<at::Tensor>& t,
                                                      const c10d::BroadcastOptions& o) {
-  ODC_DELEGATE(type_of(t), broadcast(t, o));
+  ODC_SERVE_OR_DELEGATE(device_of(t), own_broadcast(t, o), broadcast(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce(std::vector<at::Tensor>& t,
                                                      const c10d::AllreduceOptions& o) {
-  ODC_DELEGATE(type_of(t), allreduce(t, o));
+  ODC_SERVE_OR_DELEGATE(device_of(t), own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce"),
+                        allreduce(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce_coalesced(
     std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o) {
-  ODC_DELEGATE(type_of(t), allreduce_coalesced(t, o));
+  ODC_SERVE_OR_DELEGATE(device_of(t),
+                        own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce_coalesced"),
+                        allreduce_coalesced(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::reduce(std::vector<at::Tensor>& t,
                                                   const c10d::ReduceOptions& o) {
-  ODC_DELEGATE(type_of(t), reduce(t, o));
+  ODC_SERVE_OR_DELEGATE(device_of(t), own_reduce(t, o), reduce(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allgather(std::vector<std::vector<at::Tensor>>& out,
                                                      std::vector<at::Tensor>& in,
                                                      const c10d::AllgatherOptions& o) {
-  ODC_DELEGATE(type_of(in), allgather(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(in), own_allgather(out, in, o), allgather(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
     const c10d::AllgatherOptions& o) {
-  ODC_DELEGATE(type_of(in), allgather_coalesced(out, in, o));
+  ODC_DELEGATE(device_of(in).type(), allgather_coalesced(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::gather(std::vector<std::vector<at::Tensor>>& out,
                                                   std::vector<at::Tensor>& in,
                                                   const c10d::GatherOptions& o) {
-  ODC_DELEGATE(type_of(in), gather(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(in), own_gather(out, in, o), gather(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::scatter(std::vector<at::Tensor>& out,
                                                    std::vector<std::vector<at::Tensor>>& in,
                                                    const c10d::ScatterOptions& o) {
-  ODC_DELEGATE(type_of(out), scatter(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(out), own_scatter(out, in, o), scatter(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter(
     std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
     const c10d::ReduceScatterOptions& o) {
-  ODC_DELEGATE(type_of(out), reduce_scatter(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(out), own_reduce_scatter(out, in, o), reduce_scatter(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall_base(at::Tensor& out, at::Tensor& in,
                                                          std::vector<int64_t>& os,
                                                          std::vector<int64_t>& is,
                                                          const c10d::AllToAllOptions& o) {
-  ODC_DELEGATE(in.device().type(), alltoall_base(out, in, os, is, o));
+  ODC_SERVE_OR_DELEGATE(in.device(), own_alltoall_base(out, in, os, is, o),
+                        alltoall_base(out, in, os, is, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall(std::vector<at::Tensor>& out,
                                                     std::vector<at::Tensor>& in,
                                                     const c10d::AllToAllOptions& o) {
-  ODC_DELEGATE(type_of(in), alltoall(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(in), own_alltoall(out, in, o), alltoall(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::send(std::vector<at::Tensor>& t, int dst, int tag) {
-  ODC_DELEGATE(type_of(t), send(t, dst, tag));
+  ODC_DELEGATE(device_of(t).type(), send(t, dst, tag));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::recv(std::vector<at::Tensor>& t, int src, int tag) {
-  ODC_DELEGATE(type_of(t), recv(t, src, tag));
+  ODC_DELEGATE(device_of(t).type(), recv(t, src, tag));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::recvAnysource(std::vector<at::Tensor>& t, int tag) {
-  ODC_DELEGATE(type_of(t), recvAnysource(t, tag));
+  ODC_DELEGATE(device_of(t).type(), recvAnysource(t, tag));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o) {
-  // A host barrier is a barrier for every rank; with a CUDA device named, use the
-  // CUDA inner backend so device work is ordered as NCCL's barrier orders it.
-  const bool cuda = (o.device && o.device->is_cuda()) || !o.device_ids.empty();
-  ODC_DELEGATE(cuda ? c10::kCUDA : c10::kCPU, barrier(o));
+  // A host barrier (the CPU inner backend) unless a CUDA device is named; then the barrier
+  // also orders device work, as NCCL's does. A build without CUDA has no CUDA side: its
+  // barrier is a host barrier whatever device_ids say (what gloo does).
+#ifdef ODC_WITH_CUDA
+  if ((o.device && o.device->is_cuda()) || !o.device_ids.empty()) {
+    const c10::Device device =
+        o.device && o.device->is_cuda()
+            ? *o.device
+            : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(o.device_ids[0]));
+    if (serves_itself(device)) return own_barrier(device);
+    ODC_DELEGATE(c10::kCUDA, barrier(o));
+  }
+#endif
+  if (serves_itself(c10::Device(c10::kCPU))) return own_barrier(c10::Device(c10::kCPU));
+  ODC_DELEGATE(c10::kCPU, barrier(o));
 }
 
+#undef ODC_SERVE_OR_DELEGATE
 #undef ODC_DELEGATE
 
 void OdcBackend::count(const std::string& key, uint64_t n) {

@@ -50,7 +50,19 @@ struct Knobs {
   int host_size = 0;  // global ranks per host (ranks g, h on one host iff g / n == h / n); 0: one host
   std::vector<int> global_ranks;  // the group's ranks in the default group (NVSHMEM PEs)
   bool match_check = true;  // ODC_MATCH_CHECK: peers check each collective's descriptor
+  // ODC_SELF_SERVE: who serves the collectives FSDP does not issue (all-reduce, broadcast,
+  // ...): 0 the inner gloo / NCCL backend, 1 odc itself, 2 (auto) odc itself for CUDA
+  // tensors when ranks share a GPU or NCCL is absent, the inner backend otherwise
+  int self_serve = 2;
+  bool nccl_available = true;
 };
+
+// Argument helpers shared by the backend's collectives (backend.cpp, own_collectives.cpp).
+DType to_dtype(at::ScalarType t, const char* api);  // TypeError for a dtype odc cannot reduce
+std::string describe(const at::Tensor& t);         // "float32[4, 8] on cuda:0"
+// Defined, on `device`, contiguous: else a ValueError naming `api` and `what`.
+void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
+                  const char* what);
 
 // One transport + protocol per device type this group has moved data on.
 struct Channel {
@@ -58,6 +70,7 @@ struct Channel {
   std::unique_ptr<Protocol> protocol;
   c10::Device device{c10::kCPU};
   void* async_stream = nullptr;  // CUDA: the side stream async ops run on
+  bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
 };
 
 class OdcBackend final : public c10d::Backend {
@@ -142,6 +155,8 @@ class OdcBackend final : public c10d::Backend {
 
   // Counters for tests and monitoring: ops and bytes moved one-sidedly.
   std::map<std::string, uint64_t> stats() const;
+  // Whether odc serves the collectives FSDP does not issue itself on `device` (ODC_SELF_SERVE).
+  bool serves_itself(const c10::Device& device);
 
   // Decoupled mode (driven by torch_odc_backend/decoupled.py): one arena per decoupled
   // model. Collective: arena_create (returns the arena's id), arena_finish. The others
@@ -168,6 +183,51 @@ class OdcBackend final : public c10d::Backend {
                                      std::vector<at::Tensor>& inputs, bool async_op,
                                      const c10d::ReduceOp* op, const char* api);
   Channel& channel(const c10::Device& device);
+  ReduceSpec reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op, const char* api,
+                         std::vector<at::Tensor>& factors, RedOp* red_op);
+  uint64_t desc(OpKind kind, const at::Tensor& t, uint64_t bytes, RedOp op = RedOp::Sum,
+                bool reduces = false, int root = 0) const;
+  // Runs body(channel, stream, seq) as one collective on `device`: on the caller's current
+  // stream (async_op: the group's side stream, after the current one), with scratch tensors
+  // allocated on that stream; a failure breaks the group; returns its Work.
+  using Body = std::function<void(Channel&, void* stream, uint64_t seq)>;
+  c10::intrusive_ptr<c10d::Work> launch(const c10::Device& device, bool async_op,
+                                        c10d::OpType type, std::vector<at::Tensor> outputs,
+                                        std::vector<at::Tensor> keep, const Body& body,
+                                        bool blocking = false);
+  // ---- The collectives odc serves itself (own_collectives.cpp), when serves_itself().
+  void own_all_reduce(Channel& ch, void* stream, uint64_t seq, const at::Tensor& t,
+                      const ReduceSpec& spec, uint64_t rs_desc, uint64_t ag_desc);
+  c10::intrusive_ptr<c10d::Work> own_allreduce(std::vector<at::Tensor>& tensors,
+                                               const c10d::ReduceOp& op, bool async_op,
+                                               const char* api);
+  c10::intrusive_ptr<c10d::Work> own_reduce(std::vector<at::Tensor>& tensors,
+                                            const c10d::ReduceOptions& opts);
+  c10::intrusive_ptr<c10d::Work> own_broadcast(std::vector<at::Tensor>& tensors,
+                                               const c10d::BroadcastOptions& opts);
+  c10::intrusive_ptr<c10d::Work> own_allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs,
+                                               const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> own_reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                    std::vector<std::vector<at::Tensor>>& inputs,
+                                                    const c10d::ReduceScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> own_exchange(at::Tensor& output, const at::Tensor& input,
+                                              Protocol::Exchange x, bool async_op,
+                                              c10d::OpType type, const char* api);
+  c10::intrusive_ptr<c10d::Work> own_alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                   std::vector<int64_t>& out_splits,
+                                                   std::vector<int64_t>& in_splits,
+                                                   const c10d::AllToAllOptions& opts);
+  c10::intrusive_ptr<c10d::Work> own_alltoall(std::vector<at::Tensor>& outputs,
+                                              std::vector<at::Tensor>& inputs,
+                                              const c10d::AllToAllOptions& opts);
+  c10::intrusive_ptr<c10d::Work> own_scatter(std::vector<at::Tensor>& outputs,
+                                             std::vector<std::vector<at::Tensor>>& inputs,
+                                             const c10d::ScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> own_gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                            std::vector<at::Tensor>& inputs,
+                                            const c10d::GatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> own_barrier(const c10::Device& device);
   struct ArenaEntry {
     c10::Device device;
     std::unique_ptr<Arena> arena;

@@ -60,10 +60,11 @@ PYBIND11_MODULE(_C, m) {
                        py::object inner_factory, size_t chunk_bytes, int ring_slots,
                        int reduce_blocks, int64_t small_op_bytes, bool stream_memops,
                        int accumulate_blocks, int transport, int host_size,
-                       std::vector<int> global_ranks, bool match_check, py::object split_factory) {
+                       std::vector<int> global_ranks, bool match_check, py::object split_factory,
+                       int self_serve, bool nccl_available) {
              odc::Knobs k{chunk_bytes,    ring_slots,    reduce_blocks, accumulate_blocks,
                           small_op_bytes, stream_memops, transport,     host_size,
-                          std::move(global_ranks), match_check};
+                          std::move(global_ranks), match_check, self_serve, nccl_available};
              return c10::make_intrusive<odc::OdcBackend>(
                  store, rank, size, timeout, std::move(group_name),
                  wrap_factory<const std::string&>(std::move(inner_factory)), k,
@@ -77,7 +78,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("small_op_bytes") = -1, py::arg("stream_memops") = false,
            py::arg("accumulate_blocks") = 0, py::arg("transport") = 0, py::arg("host_size") = 0,
            py::arg("global_ranks") = std::vector<int>{}, py::arg("match_check") = true,
-           py::arg("split_factory") = py::none())
+           py::arg("split_factory") = py::none(), py::arg("self_serve") = 2,
+           py::arg("nccl_available") = true)
       .def_property_readonly(
           "options",
           [](odc::OdcBackend& b) {

@@ -51,20 +51,24 @@ __device__ bool wait_counter(const uint64_t* flag, uint64_t target, uint64_t sta
   return true;
 }
 
-// After wait_counter saw the peer's counter (the same thread: its acquire orders this
-// read after the peer's descriptor store): false, with the mismatch recorded in err,
-// when the descriptor the peer stored differs from this rank's.
+// After wait_counter saw the peer's counter reach chunk + 1 (the same thread: its acquire
+// orders these reads after the peer's stores): false, with the mismatch recorded in err,
+// when the descriptor the peer stored with it differs from this rank's or came with
+// another chunk.
 __device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
-                           DeviceError* err_ptr, int peer, unsigned long long op_seq,
-                           const char* op) {
-  const unsigned long long theirs = *reinterpret_cast<const volatile uint64_t*>(desc);
-  if (theirs == expected) return true;
+                           unsigned long long chunk, DeviceError* err_ptr, int peer,
+                           unsigned long long op_seq, const char* op) {
+  const volatile uint64_t* d = reinterpret_cast<const volatile uint64_t*>(desc);
+  const unsigned long long theirs = d[0], their_chunk = d[1];
+  if (theirs == expected && their_chunk == chunk) return true;
   volatile DeviceError* err = err_ptr;
   if (err->code == 0) {
     err->peer = peer;
     err->op_seq = op_seq;
     err->mine = expected;
     err->theirs = theirs;
+    err->target = chunk;
+    err->seen = their_chunk;
     err->op = op;
     err->what = nullptr;
     __threadfence_system();
@@ -91,8 +95,8 @@ __global__ void flag_kernel(FlagOp op) {
                       op.op_seq, op.op, op.what)) {
       return;
     }
-    if (op.desc_expected &&
-        !check_desc(op.desc[i], op.desc_expected, op.err, op.wait_peer[i], op.op_seq, op.op)) {
+    if (op.desc_expected && !check_desc(op.desc[i], op.desc_expected, op.wait_target - 1, op.err,
+                                        op.wait_peer[i], op.op_seq, op.op)) {
       return;
     }
   }
@@ -112,15 +116,49 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
-// out = scale * sum_j src[j], summed in fp32 in source (rank) order.
-// A few blocks must stream at HBM speed, so each thread keeps kUnroll 16-byte
-// loads of every source in flight before it accumulates (memory-level
+// Accumulation type of a reduction: fp32 for the 16/32-bit floats, fp64 for float64,
+// int64 for integers (protocol.hpp, ReduceSpec).
+template <typename T> struct AccOf { using type = long long; };
+template <> struct AccOf<float> { using type = float; };
+template <> struct AccOf<__nv_bfloat16> { using type = float; };
+template <> struct AccOf<__half> { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+template <typename T, typename A> __device__ __forceinline__ A to_acc(T v) { return static_cast<A>(v); }
+template <> __device__ __forceinline__ float to_acc<__nv_bfloat16, float>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ float to_acc<__half, float>(__half v) { return __half2float(v); }
+template <typename T, typename A> __device__ __forceinline__ T from_acc(A v) { return static_cast<T>(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
+
+template <Combine C, typename A>
+__device__ __forceinline__ A combine(A a, A b) {
+  if constexpr (C == Combine::Sum) {
+    return a + b;
+  } else if constexpr (C == Combine::Product) {
+    return a * b;
+  } else {
+    if (a != a) return a;  // NaN wins
+    if (b != b) return b;
+    return C == Combine::Max ? (b > a ? b : a) : (b < a ? b : a);
+  }
+}
+
+// out = combine_j src[j] in source (rank) order, in the accumulation type, times the scale
+// for a scaled Sum. A few blocks must stream at HBM speed, so each thread keeps kUnroll
+// 16-byte loads of every source in flight before it accumulates (memory-level
 // parallelism instead of occupancy: the kernel shares the GPU with compute).
 constexpr int kUnroll = 4;
 
-template <typename T>
+template <typename T, Combine C>
 __global__ void reduce_kernel(ReduceOpArgs a) {
-  const float scale = a.scale_ptr ? *a.scale_ptr : a.scale;
+  using A = typename AccOf<T>::type;
+  const A scale = a.scale_ptr ? static_cast<A>(*a.scale_ptr) : static_cast<A>(a.scale);
+  const bool scaled = C == Combine::Sum && (a.scale_ptr != nullptr || a.scale != 1.0);
   constexpr int V = 16 / sizeof(T);
   union U { uint4 raw; T e[V]; };
   const size_t threads = static_cast<size_t>(gridDim.x) * blockDim.x;
@@ -128,51 +166,54 @@ __global__ void reduce_kernel(ReduceOpArgs a) {
   const size_t nvec = a.vectorized ? a.numel / V : 0;
   const uint4* const* src = reinterpret_cast<const uint4* const*>(a.src);
   uint4* dst = static_cast<uint4*>(a.dst);
+  auto finish = [&](A v) { return from_acc<T, A>(scaled ? static_cast<A>(v * scale) : v); };
   // Groups of kUnroll vectors, strided by the grid: vector (base + u * threads).
   const size_t full = nvec / (threads * kUnroll) * (threads * kUnroll);
   for (size_t base = tid; base < full; base += threads * kUnroll) {
-    float acc[kUnroll][V];
+    A acc[kUnroll][V];
     U u[kUnroll];
 #pragma unroll
     for (int r = 0; r < kUnroll; ++r) u[r].raw = src[0][base + r * threads];
 #pragma unroll
     for (int r = 0; r < kUnroll; ++r)
 #pragma unroll
-      for (int k = 0; k < V; ++k) acc[r][k] = to_f<T>(u[r].e[k]);
+      for (int k = 0; k < V; ++k) acc[r][k] = to_acc<T, A>(u[r].e[k]);
     for (int j = 1; j < a.n_src; ++j) {
 #pragma unroll
       for (int r = 0; r < kUnroll; ++r) u[r].raw = src[j][base + r * threads];
 #pragma unroll
       for (int r = 0; r < kUnroll; ++r)
 #pragma unroll
-        for (int k = 0; k < V; ++k) acc[r][k] += to_f<T>(u[r].e[k]);
+        for (int k = 0; k < V; ++k) acc[r][k] = combine<C>(acc[r][k], to_acc<T, A>(u[r].e[k]));
     }
 #pragma unroll
     for (int r = 0; r < kUnroll; ++r) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) u[r].e[k] = from_f<T>(acc[r][k] * scale);
+      for (int k = 0; k < V; ++k) u[r].e[k] = finish(acc[r][k]);
       dst[base + r * threads] = u[r].raw;
     }
   }
   for (size_t i = full + tid; i < nvec; i += threads) {  // the vectors left over
-    float acc[V];
+    A acc[V];
     U u;
     u.raw = src[0][i];
 #pragma unroll
-    for (int k = 0; k < V; ++k) acc[k] = to_f<T>(u.e[k]);
+    for (int k = 0; k < V; ++k) acc[k] = to_acc<T, A>(u.e[k]);
     for (int j = 1; j < a.n_src; ++j) {
       u.raw = src[j][i];
 #pragma unroll
-      for (int k = 0; k < V; ++k) acc[k] += to_f<T>(u.e[k]);
+      for (int k = 0; k < V; ++k) acc[k] = combine<C>(acc[k], to_acc<T, A>(u.e[k]));
     }
 #pragma unroll
-    for (int k = 0; k < V; ++k) u.e[k] = from_f<T>(acc[k] * scale);
+    for (int k = 0; k < V; ++k) u.e[k] = finish(acc[k]);
     dst[i] = u.raw;
   }
   for (size_t i = nvec * V + tid; i < a.numel; i += threads) {  // elements, when unaligned
-    float acc = to_f<T>(static_cast<const T*>(a.src[0])[i]);
-    for (int j = 1; j < a.n_src; ++j) acc += to_f<T>(static_cast<const T*>(a.src[j])[i]);
-    static_cast<T*>(a.dst)[i] = from_f<T>(acc * scale);
+    A acc = to_acc<T, A>(static_cast<const T*>(a.src[0])[i]);
+    for (int j = 1; j < a.n_src; ++j) {
+      acc = combine<C>(acc, to_acc<T, A>(static_cast<const T*>(a.src[j])[i]));
+    }
+    static_cast<T*>(a.dst)[i] = finish(acc);
   }
 }
 
@@ -264,7 +305,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
           if (!wait_counter(static_cast<const uint64_t*>(op.ptrs[k]), s.value, start,
                             op.timeout_ns, op.err, op.peers[k], op.op_seq, op.op, s.what) ||
               (s.desc && !check_desc(static_cast<const uint64_t*>(op.ptrs[k + s.n]), s.desc,
-                                     op.err, op.peers[k], op.op_seq, op.op))) {
+                                     s.value - 1, op.err, op.peers[k], op.op_seq, op.op))) {
             failed = 1;
           }
         }
@@ -286,10 +327,11 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
       case kStepReduce: {
         const float scale = s.scale_ptr ? *s.scale_ptr : s.scale;
         const void* const* srcs = op.ptrs + s.first;
-        switch (static_cast<DType>(s.dtype)) {
+        switch (static_cast<DType>(s.dtype)) {  // fused: sums of these only (fusable())
           case DType::F32: block_reduce<float>(s.dst, srcs, s.n, s.value, scale); break;
           case DType::BF16: block_reduce<__nv_bfloat16>(s.dst, srcs, s.n, s.value, scale); break;
           case DType::F16: block_reduce<__half>(s.dst, srcs, s.n, s.value, scale); break;
+          default: break;
         }
         __syncthreads();  // a following copy or signal sees the whole result
         break;
@@ -347,6 +389,8 @@ cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType d
     case DType::F16:
       accumulate_kernel<__half><<<grid, kThreads, 0, stream>>>(dst, static_cast<const __half*>(src), numel);
       break;
+    default:
+      return cudaErrorInvalidValue;  // decoupled mode reduces in fp32 / bf16 / fp16 only
   }
   return cudaGetLastError();
 }
@@ -361,6 +405,34 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+namespace {
+// The reduce kernel of (dtype, combine): its address, for a launch or a module load.
+template <typename T>
+const void* reduce_kernel_of(Combine c) {
+  switch (c) {
+    case Combine::Sum: return reinterpret_cast<const void*>(reduce_kernel<T, Combine::Sum>);
+    case Combine::Max: return reinterpret_cast<const void*>(reduce_kernel<T, Combine::Max>);
+    case Combine::Min: return reinterpret_cast<const void*>(reduce_kernel<T, Combine::Min>);
+    case Combine::Product: return reinterpret_cast<const void*>(reduce_kernel<T, Combine::Product>);
+  }
+  return nullptr;
+}
+
+const void* reduce_kernel_of(DType d, Combine c) {
+  switch (d) {
+    case DType::F32: return reduce_kernel_of<float>(c);
+    case DType::BF16: return reduce_kernel_of<__nv_bfloat16>(c);
+    case DType::F16: return reduce_kernel_of<__half>(c);
+    case DType::F64: return reduce_kernel_of<double>(c);
+    case DType::I32: return reduce_kernel_of<int32_t>(c);
+    case DType::I64: return reduce_kernel_of<int64_t>(c);
+    case DType::U8: return reduce_kernel_of<uint8_t>(c);
+    case DType::I8: return reduce_kernel_of<int8_t>(c);
+  }
+  return nullptr;
+}
+}  // namespace
+
 cudaError_t preload_kernels() {
   cudaFuncAttributes attr;
   cudaError_t e = cudaFuncGetAttributes(&attr, flag_kernel);
@@ -368,23 +440,24 @@ cudaError_t preload_kernels() {
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, accumulate_kernel<float>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, accumulate_kernel<__nv_bfloat16>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, accumulate_kernel<__half>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<float>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<__nv_bfloat16>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reduce_kernel<__half>);
+  for (int d = 0; d <= static_cast<int>(DType::I8) && e == cudaSuccess; ++d) {
+    for (int c = 0; c <= static_cast<int>(Combine::Product) && e == cudaSuccess; ++c) {
+      e = cudaFuncGetAttributes(&attr, reduce_kernel_of(static_cast<DType>(d), static_cast<Combine>(c)));
+    }
+  }
   return e;
 }
 
-cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, int blocks, cudaStream_t stream) {
+cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine, int blocks,
+                          cudaStream_t stream) {
   constexpr int kThreads = 512;
   const size_t per_block = static_cast<size_t>(kThreads) * 8 * kUnroll;
   const int needed = static_cast<int>((args.numel + per_block - 1) / per_block);
   const int grid = needed < blocks ? (needed > 0 ? needed : 1) : blocks;
-  switch (dtype) {
-    case DType::F32: reduce_kernel<float><<<grid, kThreads, 0, stream>>>(args); break;
-    case DType::BF16: reduce_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args); break;
-    case DType::F16: reduce_kernel<__half><<<grid, kThreads, 0, stream>>>(args); break;
-  }
-  return cudaGetLastError();
+  ReduceOpArgs a = args;
+  void* params[] = {&a};
+  return cudaLaunchKernel(reduce_kernel_of(dtype, combine), dim3(grid), dim3(kThreads), params, 0,
+                          stream);
 }
 
 }  // namespace odc

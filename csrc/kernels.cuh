@@ -16,8 +16,8 @@ struct DeviceError {
   int code;  // 0: none, 1: a wait timed out, 2: a descriptor mismatch
   int peer;
   unsigned long long op_seq;
-  unsigned long long target;  // timeout: the counter value waited for, and the one seen
-  unsigned long long seen;
+  unsigned long long target;  // timeout: the counter value waited for, and the one seen;
+  unsigned long long seen;    // mismatch: the chunk waited for, and the peer's
   unsigned long long mine;    // mismatch: this rank's descriptor, and the peer's
   unsigned long long theirs;
   const char* op;    // WaitSite strings are literals: their addresses stay valid
@@ -25,12 +25,13 @@ struct DeviceError {
 };
 
 constexpr int kMaxPeers = 64;
-constexpr int kSignalBatches = 2;  // e.g. descriptors, then the counters announcing the data
+constexpr int kSignalBatches = 3;  // e.g. descriptors, chunk numbers, the counters announcing data
 
 // Store each batch of signals in order (batch b's value into its counters: announcing
 // the work that precedes this kernel on its stream), then wait until every wait counter
 // is >= wait_target and, with desc_expected != 0, check that the descriptor stored with
-// it equals desc_expected; on a timeout or a mismatch record it in `err` and return.
+// it equals desc_expected and names chunk wait_target - 1; on a timeout or a mismatch
+// record it in `err` and return.
 struct FlagOp {
   uint64_t* signal[kSignalBatches][kMaxPeers];
   const uint64_t* wait[kMaxPeers];
@@ -53,9 +54,9 @@ struct ReduceOpArgs {
   int n_src;
   void* dst;
   size_t numel;
-  float scale;
+  double scale;            // Sum of floats (in the accumulation type: fp32, or fp64 for float64)
   const float* scale_ptr;  // overrides `scale` when set (device pointer)
-  bool vectorized;        // every pointer 16-byte aligned
+  bool vectorized;         // every pointer 16-byte aligned
 };
 
 // A small collective as one kernel: block b runs lane b's steps in order with SM
@@ -73,7 +74,7 @@ struct FusedStep {
   float scale;               // reduce
   unsigned long long value;  // wait target, signal value, copy bytes or reduce numel
   unsigned long long desc;   // wait: the descriptor each awaited peer stored (0: unchecked),
-                             // its address at ptrs[first + n + i]
+                             // at ptrs[first + n + i], with the chunk number value - 1
   void* dst;
   const void* src;
   const float* scale_ptr;    // reduce: tensor factor (device, fp32) or null
@@ -97,6 +98,7 @@ struct FusedOp {
   DeviceError* err;
 };
 static_assert(sizeof(FusedOp) <= 4000, "kernel parameters are limited to 4 KiB");
+static_assert(sizeof(FlagOp) <= 4000, "kernel parameters are limited to 4 KiB");
 
 cudaError_t launch_fused(const FusedOp& op, cudaStream_t stream);
 cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
@@ -105,7 +107,9 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
 // running flag kernel may be waiting for a peer that is itself stuck loading:
 // a cross-rank deadlock. Loading up front removes it.
 cudaError_t preload_kernels();
-cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, int blocks, cudaStream_t stream);
+// dst = combine of the sources in rank order (ReduceSpec's semantics: protocol.hpp).
+cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine, int blocks,
+                          cudaStream_t stream);
 // dst[i] += src[i] with system-scope atomics (dst may be a peer's memory; other GPUs add
 // into it concurrently); src in `dtype`, dst fp32.
 cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType dtype, int blocks,

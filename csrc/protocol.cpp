@@ -10,20 +10,41 @@ const char* dtype_name(DType d) {
     case DType::F32: return "float32";
     case DType::BF16: return "bfloat16";
     case DType::F16: return "float16";
+    case DType::F64: return "float64";
+    case DType::I32: return "int32";
+    case DType::I64: return "int64";
+    case DType::U8: return "uint8";
+    case DType::I8: return "int8";
   }
   return "?";
 }
 
-uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes_per_rank, int red_op) {
-  constexpr uint64_t kBytesMask = (uint64_t{1} << 48) - 1;  // 256 TiB per rank
+size_t dtype_size(DType d) {
+  switch (d) {
+    case DType::F64:
+    case DType::I64: return 8;
+    case DType::F32:
+    case DType::I32: return 4;
+    case DType::BF16:
+    case DType::F16: return 2;
+    case DType::U8:
+    case DType::I8: return 1;
+  }
+  return 1;
+}
+
+uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes, int red_op, int root) {
+  constexpr uint64_t kBytesMask = (uint64_t{1} << 40) - 1;  // 1 TiB per rank or pair
   return (uint64_t{1} << 63) | (static_cast<uint64_t>(kind) & 7) << 60 |
          (static_cast<uint64_t>(red_op) & 15) << 56 |
-         (static_cast<uint64_t>(scalar_type) & 255) << 48 | (bytes_per_rank & kBytesMask);
+         (static_cast<uint64_t>(scalar_type) & 255) << 48 |
+         (static_cast<uint64_t>(root) & 255) << 40 | (bytes & kBytesMask);
 }
 
 OpDescFields decode_op_desc(uint64_t desc) {
   return {static_cast<OpKind>((desc >> 60) & 7), static_cast<int>((desc >> 48) & 255),
-          desc & ((uint64_t{1} << 48) - 1), static_cast<int>((desc >> 56) & 15)};
+          desc & ((uint64_t{1} << 40) - 1), static_cast<int>((desc >> 56) & 15),
+          static_cast<int>((desc >> 40) & 255)};
 }
 
 WindowLayout::WindowLayout(int world_, size_t chunk_bytes_, int slots_)
@@ -35,14 +56,20 @@ WindowLayout::WindowLayout(int world_, size_t chunk_bytes_, int slots_)
   }
   flags_bytes = static_cast<size_t>(kNumFlagArrays) * world * kFlagStride;
   descs = flags_bytes;
-  const size_t desc_end = descs + static_cast<size_t>(kNumDescArrays) * world * slots * 8;
+  const size_t desc_end = descs + static_cast<size_t>(kNumDescArrays) * world * slots * kDescBytes;
   ag_ring = (desc_end + 4095) / 4096 * 4096;
   rs_ring = ag_ring + static_cast<size_t>(slots) * chunk_bytes;
   total = rs_ring + static_cast<size_t>(world) * slots * chunk_bytes;
 }
 
 Protocol::Protocol(int rank, int world, const WindowLayout& layout, Transport* transport)
-    : rank_(rank), world_(world), layout_(layout), t_(transport) {}
+    : rank_(rank),
+      world_(world),
+      layout_(layout),
+      t_(transport),
+      ag_pub_(world, 0),
+      rs_sent_(world, 0),
+      rs_landed_(world, 0) {}
 
 uint64_t* Protocol::flag_in(int owner, WindowLayout::Flag kind, int index) {
   return reinterpret_cast<uint64_t*>(t_->window(owner) + layout_.flag(kind, index));
@@ -52,12 +79,11 @@ uint64_t* Protocol::desc_in(int owner, WindowLayout::Desc kind, int peer, uint64
   return reinterpret_cast<uint64_t*>(t_->window(owner) + layout_.desc(kind, peer, chunk));
 }
 
-std::vector<const uint64_t*> Protocol::my_flags(WindowLayout::Flag kind, bool include_self) {
-  std::vector<const uint64_t*> out;
-  for (int p = 0; p < world_; ++p) {
-    if (p != rank_ || include_self) out.push_back(flag_in(rank_, kind, p));
-  }
-  return out;
+void Protocol::store_desc(int lane, const std::vector<uint64_t*>& at, uint64_t desc, uint64_t g) {
+  std::vector<uint64_t*> ids;
+  for (uint64_t* d : at) ids.push_back(d + 1);
+  t_->signal(lane, at, desc);  // signals are stored in issue order: both before the counter
+  t_->signal(lane, ids, g);
 }
 
 std::vector<int> Protocol::peers_but_me() const {
@@ -66,12 +92,18 @@ std::vector<int> Protocol::peers_but_me() const {
   return out;
 }
 
+// A checked empty call still moves one empty chunk: a peer whose call is not empty
+// must see the mismatch rather than wait for a chunk that never comes.
+uint64_t Protocol::chunks(size_t bytes, bool at_least_one) const {
+  const size_t C = layout_.chunk_bytes;
+  return std::max<uint64_t>((bytes + C - 1) / C, at_least_one ? 1 : 0);
+}
+
 // For chunk k: the owner publishes it into its AG ring (waiting only if a reader
 // still holds the slot from `slots` chunks ago), then this rank gets chunk k of
-// every peer on that peer's lane. Issuing publish(k) before get(k) in this order
-// is deadlock-free even when executed sequentially by a host transport. With a
-// descriptor, the owner stores it in each reader's window before announcing a chunk,
-// and each reader checks it once the chunk is announced.
+// every peer on that peer's lane. With a descriptor, the owner stores it in each
+// reader's window before announcing a chunk, and each reader checks it once the
+// chunk is announced.
 void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_t op_seq,
                           uint64_t desc) {
   char* out_b = static_cast<char*>(out);
@@ -82,47 +114,101 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
     if (copy_own) t_->copy(0, my_part, in_b, shard_bytes);
     return;
   }
-
   const size_t C = layout_.chunk_bytes;
-  // A checked empty all-gather still exchanges one empty chunk: a peer whose call is not
-  // empty must see the mismatch rather than wait for a chunk that never comes.
-  const uint64_t nchunks = std::max<uint64_t>((shard_bytes + C - 1) / C, desc ? 1 : 0);
-  const auto readers = my_flags(WindowLayout::AgAck, false);
+  const uint64_t nchunks = chunks(shard_bytes, desc != 0);
   const auto peers = peers_but_me();
+  std::vector<const uint64_t*> acks;
   std::vector<uint64_t*> ready_at_readers;
-  for (int p : peers) ready_at_readers.push_back(flag_in(p, WindowLayout::AgReady, rank_));
-
+  for (int p : peers) {
+    acks.push_back(flag_in(rank_, WindowLayout::AgAck, p));
+    ready_at_readers.push_back(flag_in(p, WindowLayout::AgReady, rank_));
+  }
   for (uint64_t k = 0; k < nchunks; ++k) {
-    const uint64_t g = ag_chunks_ + k;
     const size_t off = k * C;
-    const size_t len = std::min(C, shard_bytes - off);
+    const size_t len = std::min(C, shard_bytes - std::min(off, shard_bytes));
+    const uint64_t g = ag_pub_[rank_] + k;
     if (g >= static_cast<uint64_t>(layout_.slots)) {
-      t_->wait(0, readers, peers, g - layout_.slots + 1,
-               {"all_gather", "ring space held by", op_seq});
+      t_->wait(0, acks, peers, g - layout_.slots + 1, {"all_gather", "ring space held by", op_seq});
     }
     if (len) t_->copy(0, t_->window(rank_) + layout_.ag_slot(g), in_b + off, len);
     if (desc) {
       std::vector<uint64_t*> desc_at_readers;
       for (int p : peers) desc_at_readers.push_back(desc_in(p, WindowLayout::AgDesc, rank_, g));
-      t_->signal(0, desc_at_readers, desc);
+      store_desc(0, desc_at_readers, desc, g);
     }
     t_->signal(0, ready_at_readers, g + 1);
 
     for (int i = 1; i < world_; ++i) {
       const int p = (rank_ + i) % world_;
-      DescCheck check{{desc_in(rank_, WindowLayout::AgDesc, p, g)}, desc};
-      t_->wait(i, {flag_in(rank_, WindowLayout::AgReady, p)}, {p}, g + 1,
+      const uint64_t gp = ag_pub_[p] + k;
+      DescCheck check{{desc_in(rank_, WindowLayout::AgDesc, p, gp)}, desc};
+      t_->wait(i, {flag_in(rank_, WindowLayout::AgReady, p)}, {p}, gp + 1,
                {"all_gather", "data from", op_seq}, desc ? &check : nullptr);
       if (len) {
         t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes + off,
-                 t_->window(p) + layout_.ag_slot(g), len);
+                 t_->window(p) + layout_.ag_slot(gp), len);
       }
-      t_->signal(i, {flag_in(p, WindowLayout::AgAck, rank_)}, g + 1);
+      t_->signal(i, {flag_in(p, WindowLayout::AgAck, rank_)}, gp + 1);
     }
   }
-  ag_chunks_ += nchunks;
+  for (uint64_t& n : ag_pub_) n += nchunks;
   // Our own part last: the peers' gets wait on the publishes above, not on this.
   if (copy_own) t_->copy(0, my_part, in_b, shard_bytes);
+}
+
+// The all-gather with one owner: the root publishes, the others get.
+void Protocol::broadcast(void* buf, size_t bytes, int root, uint64_t op_seq, uint64_t desc) {
+  if (world_ == 1) return;
+  char* b = static_cast<char*>(buf);
+  const size_t C = layout_.chunk_bytes;
+  const uint64_t nchunks = chunks(bytes, desc != 0);
+  std::vector<int> readers;
+  std::vector<const uint64_t*> acks;
+  std::vector<uint64_t*> ready_at_readers, desc_at_readers;
+  for (int p = 0; p < world_; ++p) {
+    if (p == root) continue;
+    readers.push_back(p);
+    acks.push_back(flag_in(root, WindowLayout::AgAck, p));
+    ready_at_readers.push_back(flag_in(p, WindowLayout::AgReady, root));
+  }
+  const int lane = (root - rank_ + world_) % world_;  // the root's lane on a reader
+  for (uint64_t k = 0; k < nchunks; ++k) {
+    const size_t off = k * C;
+    const size_t len = std::min(C, bytes - std::min(off, bytes));
+    const uint64_t g = ag_pub_[root] + k;
+    char* slot = t_->window(root) + layout_.ag_slot(g);
+    if (rank_ == root) {
+      if (g >= static_cast<uint64_t>(layout_.slots)) {
+        t_->wait(0, acks, readers, g - layout_.slots + 1,
+                 {"broadcast", "ring space held by", op_seq});
+      }
+      if (len) t_->copy(0, slot, b + off, len);
+      if (desc) {
+        desc_at_readers.clear();
+        for (int p : readers) desc_at_readers.push_back(desc_in(p, WindowLayout::AgDesc, root, g));
+        store_desc(0, desc_at_readers, desc, g);
+      }
+      t_->signal(0, ready_at_readers, g + 1);
+    } else {
+      DescCheck check{{desc_in(rank_, WindowLayout::AgDesc, root, g)}, desc};
+      t_->wait(lane, {flag_in(rank_, WindowLayout::AgReady, root)}, {root}, g + 1,
+               {"broadcast", "data from", op_seq}, desc ? &check : nullptr);
+      if (len) t_->copy(lane, b + off, slot, len);
+      t_->signal(lane, {flag_in(root, WindowLayout::AgAck, rank_)}, g + 1);
+    }
+  }
+  ag_pub_[root] += nchunks;
+}
+
+void Protocol::put_chunk(int lane, int p, uint64_t g, const char* src, size_t len,
+                         uint64_t desc, const char* op, uint64_t op_seq) {
+  if (g >= static_cast<uint64_t>(layout_.slots)) {
+    t_->wait(lane, {flag_in(rank_, WindowLayout::RsFree, p)}, {p}, g - layout_.slots + 1,
+             {op, "landing space at", op_seq});
+  }
+  if (len) t_->copy(lane, t_->window(p) + layout_.rs_slot(rank_, g), src, len);
+  if (desc) store_desc(lane, {desc_in(p, WindowLayout::RsDesc, rank_, g)}, desc, g);
+  t_->signal(lane, {flag_in(p, WindowLayout::RsReady, rank_)}, g + 1);
 }
 
 // For chunk k: put this rank's contribution for every owner into that owner's
@@ -137,45 +223,105 @@ void Protocol::reduce_scatter(void* out, const void* in, size_t out_numel, size_
   const char* in_b = static_cast<const char*>(in);
   const size_t part_bytes = out_numel * elem_size;
   const size_t C = layout_.chunk_bytes;  // multiple of 16, so of every element size
-  const uint64_t nchunks =  // an empty checked call too: see all_gather
-      std::max<uint64_t>((part_bytes + C - 1) / C, desc && world_ > 1 ? 1 : 0);
+  const uint64_t nchunks = chunks(part_bytes, desc != 0 && world_ > 1);
   const auto peers = peers_but_me();
-  const auto landed = my_flags(WindowLayout::RsReady, false);
   std::vector<uint64_t*> free_at_senders;
   for (int p : peers) free_at_senders.push_back(flag_in(p, WindowLayout::RsFree, rank_));
 
   for (uint64_t k = 0; k < nchunks; ++k) {
-    const uint64_t g = rs_chunks_ + k;
     const size_t off = k * C;
-    const size_t len = std::min(C, part_bytes - off);
+    const size_t len = std::min(C, part_bytes - std::min(off, part_bytes));
     for (int i = 1; i < world_; ++i) {
       const int p = (rank_ + i) % world_;
-      if (g >= static_cast<uint64_t>(layout_.slots)) {
-        t_->wait(i, {flag_in(rank_, WindowLayout::RsFree, p)}, {p}, g - layout_.slots + 1,
-                 {"reduce_scatter", "landing space at", op_seq});
-      }
-      if (len) {
-        t_->copy(i, t_->window(p) + layout_.rs_slot(rank_, g),
-                 in_b + static_cast<size_t>(p) * part_bytes + off, len);
-      }
-      if (desc) t_->signal(i, {desc_in(p, WindowLayout::RsDesc, rank_, g)}, desc);
-      t_->signal(i, {flag_in(p, WindowLayout::RsReady, rank_)}, g + 1);
+      put_chunk(i, p, rs_sent_[p] + k, in_b + static_cast<size_t>(p) * part_bytes + off, len,
+                desc, "reduce_scatter", op_seq);
     }
-    if (world_ > 1) {
+    // Every sender's chunk k; senders whose counters agree (all of them, unless an
+    // uneven exchange came before) share one wait.
+    for (size_t first = 0; first < peers.size();) {
+      const uint64_t target = rs_landed_[peers[first]] + k + 1;
+      std::vector<int> group;
+      std::vector<const uint64_t*> landed;
       DescCheck check{{}, desc};
-      for (int p : peers) check.descs.push_back(desc_in(rank_, WindowLayout::RsDesc, p, g));
-      t_->wait(0, landed, peers, g + 1, {"reduce_scatter", "data from", op_seq},
+      for (size_t j = first; j < peers.size() && rs_landed_[peers[j]] + k + 1 == target; ++j) {
+        group.push_back(peers[j]);
+        landed.push_back(flag_in(rank_, WindowLayout::RsReady, peers[j]));
+        check.descs.push_back(desc_in(rank_, WindowLayout::RsDesc, peers[j], target - 1));
+      }
+      t_->wait(0, landed, group, target, {"reduce_scatter", "data from", op_seq},
                desc ? &check : nullptr);
+      first += group.size();
     }
     std::vector<const void*> srcs;
     for (int src = 0; src < world_; ++src) {
       srcs.push_back(src == rank_ ? in_b + static_cast<size_t>(rank_) * part_bytes + off
-                                  : t_->window(rank_) + layout_.rs_slot(src, g));
+                                  : t_->window(rank_) + layout_.rs_slot(src, rs_landed_[src] + k));
     }
     if (len) t_->reduce(0, out_b + off, srcs, len / elem_size, spec);
-    if (world_ > 1) t_->signal(0, free_at_senders, g + 1);
+    for (size_t first = 0; first < peers.size();) {  // one signal per run of equal counters
+      const uint64_t v = rs_landed_[peers[first]] + k + 1;
+      std::vector<uint64_t*> same;
+      size_t j = first;
+      for (; j < peers.size() && rs_landed_[peers[j]] + k + 1 == v; ++j) {
+        same.push_back(free_at_senders[j]);
+      }
+      t_->signal(0, same, v);
+      first = j;
+    }
   }
-  rs_chunks_ += nchunks;
+  for (int p : peers) {
+    rs_sent_[p] += nchunks;
+    rs_landed_[p] += nchunks;
+  }
+}
+
+// Chunk-major, like reduce_scatter: chunk k to every peer, then chunk k from every peer,
+// each pair on the peer's lane.
+void Protocol::exchange(void* out, const void* in, const Exchange& x, uint64_t op_seq) {
+  char* out_b = static_cast<char*>(out);
+  const char* in_b = static_cast<const char*>(in);
+  const size_t C = layout_.chunk_bytes;
+  const char* op = x.kind == OpKind::AllToAll ? "all_to_all"
+                   : x.kind == OpKind::Scatter ? "scatter" : "gather";
+  std::vector<uint64_t> n_send(world_, 0), n_recv(world_, 0);
+  uint64_t rounds = 0;
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_) continue;
+    n_send[p] = chunks(x.send[p], x.check && x.talk_empty);
+    n_recv[p] = chunks(x.recv[p], x.check && x.talk_empty);
+    rounds = std::max({rounds, n_send[p], n_recv[p]});
+  }
+  auto desc_of = [&](size_t bytes) {
+    return x.check ? op_desc(x.kind, x.scalar_type, bytes, 0, x.root) : 0;
+  };
+  for (uint64_t k = 0; k < rounds; ++k) {
+    for (int i = 1; i < world_; ++i) {
+      const int p = (rank_ + i) % world_;
+      if (k >= n_send[p]) continue;
+      const size_t off = k * C;
+      put_chunk(i, p, rs_sent_[p] + k, in_b + x.send_off[p] + off,
+                std::min(C, x.send[p] - std::min(off, x.send[p])), desc_of(x.send[p]), op, op_seq);
+    }
+    for (int i = 1; i < world_; ++i) {
+      const int p = (rank_ + i) % world_;
+      if (k >= n_recv[p]) continue;
+      const uint64_t g = rs_landed_[p] + k;
+      const size_t off = k * C;
+      const size_t len = std::min(C, x.recv[p] - std::min(off, x.recv[p]));
+      const uint64_t desc = desc_of(x.recv[p]);
+      DescCheck check{{desc_in(rank_, WindowLayout::RsDesc, p, g)}, desc};
+      t_->wait(i, {flag_in(rank_, WindowLayout::RsReady, p)}, {p}, g + 1, {op, "data from", op_seq},
+               desc ? &check : nullptr);
+      if (len) t_->copy(i, out_b + x.recv_off[p] + off, t_->window(rank_) + layout_.rs_slot(p, g), len);
+      t_->signal(i, {flag_in(p, WindowLayout::RsFree, rank_)}, g + 1);
+    }
+  }
+  for (int p = 0; p < world_; ++p) {
+    rs_sent_[p] += n_send[p];
+    rs_landed_[p] += n_recv[p];
+  }
+  const size_t own = std::min(x.send[rank_], x.recv[rank_]);
+  if (own) t_->copy(0, out_b + x.recv_off[rank_], in_b + x.send_off[rank_], own);
 }
 
 void Transport::unsupported(const char* what) {

@@ -12,8 +12,9 @@
 // remote atomics). Buffer reuse is protected by these counters: a producer
 // waits only when its ring is full, never for a whole collective to finish.
 // Next to each chunk a producer stores its operation's *descriptor* (what it is,
-// dtype, bytes per rank, reduce op) in the waiting rank's window; the waiting rank
-// compares it with its own, so ranks that disagree about a collective fail with an
+// dtype, bytes per rank, reduce op) and the chunk's sequence number in the waiting
+// rank's window; the waiting rank compares them with its own, so ranks that disagree
+// about a collective, or whose sequences of collectives drifted apart, fail with an
 // error naming both sides instead of exchanging wrong data.
 #pragma once
 
@@ -25,31 +26,40 @@
 
 namespace odc {
 
-enum class RedOp : int { Sum = 0, Avg = 1, PreMulSum = 2 };
-enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+enum class RedOp : int { Sum = 0, Avg = 1, PreMulSum = 2, Max = 3, Min = 4, Product = 5 };
+// Element types a reduction handles (FSDP's reduce-scatters use the first three).
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2, F64 = 3, I32 = 4, I64 = 5, U8 = 6, I8 = 7 };
 
 const char* dtype_name(DType d);
+size_t dtype_size(DType d);
 
 // A collective's descriptor: one 64-bit word that every rank of the group computes for
 // its own call and checks against its peers'. 0 means "not checked" (ODC_MATCH_CHECK=0).
 //   bit 63: set (a descriptor, never a stale zero)   bits 60-62: kind
-//   bits 56-59: reduce op (reduce-scatter)           bits 48-55: element type (c10 ScalarType)
-//   bits 0-47: bytes per rank (an all-gather's shard, a reduce-scatter's output)
-enum class OpKind : int { AllGather = 1, ReduceScatter = 2 };
-uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes_per_rank, int red_op);
+//   bits 56-59: reduce op (1 + RedOp; 0: none)       bits 48-55: element type (c10 ScalarType)
+//   bits 40-47: root (broadcast, scatter, gather)    bits 0-39: bytes (per rank, or per pair)
+enum class OpKind : int {
+  AllGather = 1, ReduceScatter, AllReduce, Broadcast, AllToAll, Scatter, Gather
+};
+uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes, int red_op, int root = 0);
 struct OpDescFields {
   OpKind kind;
   int scalar_type;
-  uint64_t bytes_per_rank;
-  int red_op;  // 0 for an all-gather; 1 + RedOp for a reduce-scatter
+  uint64_t bytes;
+  int red_op;  // 0, or 1 + RedOp
+  int root;
 };
 OpDescFields decode_op_desc(uint64_t desc);
 
-// How the owner combines the world's contributions: out = scale * sum(inputs),
-// summed in fp32 in rank order (deterministic), rounded once to the dtype.
+// How values combine, element by element across ranks, in rank order (deterministic):
+// Sum (AVG and PREMUL_SUM are a Sum times `scale`), Max, Min or Product; accumulated in
+// fp32 for the 16- and 32-bit floats, fp64 for float64, int64 for integers, and rounded
+// once to the dtype.
+enum class Combine : int { Sum = 0, Max, Min, Product };
 struct ReduceSpec {
   DType dtype = DType::F32;
-  double scale = 1.0;                  // AVG: 1/world; PREMUL_SUM: factor
+  Combine combine = Combine::Sum;
+  double scale = 1.0;                  // Sum of floats: AVG: 1/world; PREMUL_SUM: factor
   const float* scale_ptr = nullptr;    // PREMUL_SUM with a tensor factor (converted to fp32)
 };
 
@@ -66,7 +76,10 @@ struct WindowLayout {
   size_t chunk_bytes = 0;
   int slots = 0;
   size_t flags_bytes = 0;  // the counters come first
-  size_t descs = 0;    // offset of the descriptors: per kind, peer and ring slot, 8 bytes
+  // Offset of the descriptors: per kind, peer and ring slot, 16 bytes: the descriptor and
+  // the sequence number of the chunk it came with.
+  static constexpr size_t kDescBytes = 16;
+  size_t descs = 0;
   size_t ag_ring = 0;  // offset of the AG ring (slots * chunk_bytes)
   size_t rs_ring = 0;  // offset of the RS landing rings (world * slots * chunk_bytes)
   size_t total = 0;
@@ -78,7 +91,7 @@ struct WindowLayout {
   // Offset of the descriptor `peer` stored with chunk `chunk` of ring `kind` (in the
   // window of the rank that waits for that chunk).
   size_t desc(Desc kind, int peer, uint64_t chunk) const {
-    return descs + ((static_cast<size_t>(kind) * world + peer) * slots + chunk % slots) * 8;
+    return descs + ((static_cast<size_t>(kind) * world + peer) * slots + chunk % slots) * kDescBytes;
   }
   size_t ag_slot(uint64_t chunk) const { return ag_ring + (chunk % slots) * chunk_bytes; }
   size_t rs_slot(int src, uint64_t chunk) const {
@@ -94,8 +107,9 @@ struct WaitSite {
 };
 
 // What a wait also checks once its counters are reached: descs[i] (in this rank's window,
-// stored by peer i with the data that counter announces) must equal `expected`, this
-// rank's own descriptor. A mismatch fails the group with both descriptors named.
+// stored by peer i with the data that counter announces) must hold `expected`, this
+// rank's own descriptor, and then the number of the chunk waited for (the wait's target
+// - 1). A mismatch fails the group with both sides named.
 struct DescCheck {
   std::vector<const uint64_t*> descs;  // parallel to the wait's counters
   uint64_t expected = 0;
@@ -146,9 +160,12 @@ class Transport {
   [[noreturn]] static void unsupported(const char* what);
 };
 
-// Drives the collectives over a transport. Chunk counters advance identically
-// on every rank (ranks issue the same collectives in the same order), so the
-// counter value to wait for is known locally without any handshake.
+// Drives the collectives over a transport. Chunk counters advance identically on
+// every rank (ranks issue the same collectives in the same order, and each rank knows
+// how many chunks every pair exchanges in each), so the counter value to wait for is
+// known locally without any handshake. Every operation runs chunk-major (all of chunk
+// k's sends before chunk k's receives), which keeps it deadlock-free even when a host
+// transport executes it sequentially.
 class Protocol {
  public:
   Protocol(int rank, int world, const WindowLayout& layout, Transport* transport);
@@ -160,21 +177,43 @@ class Protocol {
   // in holds world * out_numel elements; out holds out_numel.
   void reduce_scatter(void* out, const void* in, size_t out_numel, size_t elem_size,
                       const ReduceSpec& spec, uint64_t op_seq, uint64_t desc = 0);
+  // root's `bytes` of buf to every rank, through root's AG ring (a get from the root).
+  void broadcast(void* buf, size_t bytes, int root, uint64_t op_seq, uint64_t desc = 0);
+  // Point to point over the landing rings: send[p] bytes at in + send_off[p] to each rank
+  // p, recv[p] bytes from each p to out + recv_off[p] (the own pair is a local copy). Each
+  // pair is checked with its own descriptor (kind, dtype, that pair's bytes, root). With
+  // talk_empty, pairs with nothing to send still exchange one empty chunk (all-to-all: a
+  // peer that expects bytes must see the mismatch); otherwise empty pairs are skipped.
+  struct Exchange {
+    std::vector<size_t> send, send_off, recv, recv_off;
+    OpKind kind = OpKind::AllToAll;
+    int scalar_type = 0;
+    int root = 0;
+    bool check = false;
+    bool talk_empty = false;
+  };
+  void exchange(void* out, const void* in, const Exchange& x, uint64_t op_seq);
 
   const WindowLayout& layout() const { return layout_; }
 
  private:
   uint64_t* flag_in(int owner, WindowLayout::Flag kind, int index);
   uint64_t* desc_in(int owner, WindowLayout::Desc kind, int peer, uint64_t chunk);
-  std::vector<const uint64_t*> my_flags(WindowLayout::Flag kind, bool include_self);
   std::vector<int> peers_but_me() const;
+  uint64_t chunks(size_t bytes, bool at_least_one) const;
+  // Before announcing chunk g: store the descriptor and g where the waiting ranks check them.
+  void store_desc(int lane, const std::vector<uint64_t*>& at, uint64_t desc, uint64_t g);
+  // Put chunk g of mine into p's landing ring (waiting for the slot), with its descriptor.
+  void put_chunk(int lane, int p, uint64_t g, const char* src, size_t len, uint64_t desc,
+                 const char* op, uint64_t op_seq);
 
   int rank_;
   int world_;
   WindowLayout layout_;
   Transport* t_;
-  uint64_t ag_chunks_ = 0;  // AG chunks published by every rank so far
-  uint64_t rs_chunks_ = 0;  // RS chunks sent on every (src -> owner) channel so far
+  std::vector<uint64_t> ag_pub_;     // per owner: chunks it published into its AG ring
+  std::vector<uint64_t> rs_sent_;    // per peer: chunks this rank put into its landing ring
+  std::vector<uint64_t> rs_landed_;  // per peer: chunks it put into this rank's landing ring
 };
 
 // Decoupled mode's persistent state, per rank: for every parameter group g the

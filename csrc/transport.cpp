@@ -33,25 +33,43 @@ std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint6
 std::string describe_desc(uint64_t desc) {
   if (desc == 0) return "nothing (no descriptor was stored: a different collective)";
   const OpDescFields f = decode_op_desc(desc);
-  const char* kind = f.kind == OpKind::AllGather       ? "all_gather"
-                     : f.kind == OpKind::ReduceScatter ? "reduce_scatter"
-                                                       : "unknown collective";
+  static const char* const kKinds[] = {"unknown collective", "all_gather", "reduce_scatter",
+                                       "all_reduce", "broadcast", "all_to_all", "scatter",
+                                       "gather"};
+  const int k = static_cast<int>(f.kind);
+  const char* kind = k >= 1 && k <= 7 ? kKinds[k] : kKinds[0];
   const std::string type =
       f.scalar_type < static_cast<int>(c10::ScalarType::NumOptions)
           ? std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(f.scalar_type)).first)
           : "unknown dtype";
-  static const char* const kOps[] = {"", ", SUM", ", AVG", ", PREMUL_SUM"};
-  const char* op = f.red_op >= 0 && f.red_op < 4 ? kOps[f.red_op] : ", unknown reduce op";
-  return cat(kind, " of ", f.bytes_per_rank, " bytes per rank (", type, op, ")");
+  static const char* const kOps[] = {"", ", SUM", ", AVG", ", PREMUL_SUM", ", MAX", ", MIN", ", PRODUCT"};
+  const char* op = f.red_op >= 0 && f.red_op < 7 ? kOps[f.red_op] : ", unknown reduce op";
+  const bool rooted = f.kind == OpKind::Broadcast || f.kind == OpKind::Scatter ||
+                      f.kind == OpKind::Gather;
+  const char* per = f.kind == OpKind::AllToAll || f.kind == OpKind::Scatter ||
+                            f.kind == OpKind::Gather
+                        ? " bytes between the two ranks ("
+                        : f.kind == OpKind::Broadcast || f.kind == OpKind::AllReduce
+                              ? " bytes ("
+                              : " bytes per rank (";
+  return cat(kind, " of ", f.bytes, per, type, op, ")", rooted ? cat(" from/to root ", f.root) : "");
 }
 
 std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t mine,
-                              uint64_t theirs) {
+                              uint64_t theirs, uint64_t chunk, uint64_t their_chunk) {
+  const char* end = ". The group cannot be used any more.";
+  if (theirs == mine) {  // the same collective, but not the same place in the sequence
+    return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer, " and this rank (rank ",
+               rank, ") are no longer in step: this rank waits for chunk ", chunk, " of rank ",
+               peer, " but got chunk ", their_chunk, " (", describe_desc(mine),
+               "); an earlier collective differed between the ranks (one issued a collective "
+               "the other did not, or they named different roots)", end);
+  }
   return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer,
              " issued a different collective than this rank (rank ", rank, "): this rank's is ",
              describe_desc(mine), ", rank ", peer, "'s is ", describe_desc(theirs),
              ". Every rank of a group must issue the same collectives in the same order, with "
-             "the same sizes, dtypes and reduce ops. The group cannot be used any more.");
+             "the same sizes, dtypes, reduce ops and roots", end);
 }
 
 }  // namespace odc

@@ -37,8 +37,9 @@ std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint6
                           std::chrono::milliseconds timeout);
 // "all_gather of 32 bytes per rank (float32)", from an op_desc() word.
 std::string describe_desc(uint64_t desc);
-// The error of a failed DescCheck: `rank` expected `mine`, `peer` stored `theirs`.
+// The error of a failed DescCheck: `rank` expected descriptor `mine` with chunk `chunk`,
+// `peer` stored `theirs` with chunk `their_chunk`.
 std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t mine,
-                              uint64_t theirs);
+                              uint64_t theirs, uint64_t chunk, uint64_t their_chunk);
 
 }  // namespace odc

@@ -426,7 +426,11 @@ bool CudaIpcTransport::fusable() const {
   for (const Step& s : steps_) {
     if (s.kind == kStepAccumulate || s.kind == kStepZero) return false;
     if (s.kind == kStepCopy && s.value > small_op_bytes_) return false;
-    if (s.kind == kStepReduce && s.value * 4 > small_op_bytes_) return false;  // fp32 worst case
+    if (s.kind == kStepReduce &&
+        (s.value * 4 > small_op_bytes_ ||  // fp32 worst case
+         s.spec.combine != Combine::Sum || static_cast<int>(s.spec.dtype) > static_cast<int>(DType::F16))) {
+      return false;  // the fused kernel sums fp32 / bf16 / fp16 only
+    }
     if (s.n > kFusedThreads) return false;
   }
   return true;
@@ -672,10 +676,12 @@ void CudaIpcTransport::issue_reduce(int lane, void* dst, const std::vector<const
   }
   r.dst = dst;
   r.numel = numel;
-  r.scale = static_cast<float>(spec.scale);
+  // fp32 scale for the fp32-accumulated types (as ever), fp64 for float64
+  r.scale = spec.dtype == DType::F64 ? spec.scale : static_cast<float>(spec.scale);
   r.scale_ptr = spec.scale_ptr;
   r.vectorized = aligned;
-  check(launch_reduce(r, spec.dtype, reduce_blocks_, lane_stream(lane)), "launching the reduction");
+  check(launch_reduce(r, spec.dtype, spec.combine, reduce_blocks_, lane_stream(lane)),
+        "launching the reduction");
 }
 
 std::string CudaIpcTransport::async_error() {
@@ -686,8 +692,9 @@ std::string CudaIpcTransport::async_error() {
   const char* op = e->op;
   const char* what = e->what;
   WaitSite site{op ? op : "collective", what ? what : "a counter of", e->op_seq};
-  const std::string text = code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs)
-                                     : describe_wait(site, e->peer, e->target, e->seen, a_.timeout);
+  const std::string text =
+      code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs, e->target, e->seen)
+                : describe_wait(site, e->peer, e->target, e->seen, a_.timeout);
   return text + " (detected on the GPU; results of this and later collectives are invalid)";
 }
 

@@ -31,26 +31,63 @@ std::string unique_segment_name(int rank) {
   return buf;
 }
 
-template <typename T>
-void reduce_typed(void* dst, const std::vector<const void*>& srcs, size_t numel, float scale) {
-  T* out = static_cast<T*>(dst);
-  const size_t n = srcs.size();
-  constexpr size_t kBlock = 256;  // accumulate a block in fp32, in rank order
-  float acc[kBlock];
-  for (size_t base = 0; base < numel; base += kBlock) {
-    const size_t len = std::min(kBlock, numel - base);
-    const T* s0 = static_cast<const T*>(srcs[0]) + base;
-    for (size_t i = 0; i < len; ++i) acc[i] = static_cast<float>(s0[i]);
-    for (size_t j = 1; j < n; ++j) {
-      const T* s = static_cast<const T*>(srcs[j]) + base;
-      for (size_t i = 0; i < len; ++i) acc[i] += static_cast<float>(s[i]);
-    }
-    for (size_t i = 0; i < len; ++i) out[base + i] = static_cast<T>(acc[i] * scale);
+// Accumulation type: fp32 for the 16/32-bit floats, fp64 for float64, int64 for integers.
+template <typename T> struct Acc { using type = int64_t; };
+template <> struct Acc<float> { using type = float; };
+template <> struct Acc<c10::BFloat16> { using type = float; };
+template <> struct Acc<c10::Half> { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+template <Combine C, typename A>
+inline A combine(A a, A b) {
+  if constexpr (C == Combine::Sum) {
+    return a + b;
+  } else if constexpr (C == Combine::Product) {
+    return a * b;
+  } else {
+    if (a != a) return a;  // NaN wins (a float NaN is unequal to itself)
+    if (b != b) return b;
+    return C == Combine::Max ? (b > a ? b : a) : (b < a ? b : a);
   }
 }
 
-float host_scale(const ReduceSpec& spec) {
-  return spec.scale_ptr ? *spec.scale_ptr : static_cast<float>(spec.scale);
+// out[i] = combine over sources, in rank order, a block at a time in the accumulation type.
+template <typename T, Combine C>
+void reduce_typed(void* dst, const std::vector<const void*>& srcs, size_t numel, double scale) {
+  using A = typename Acc<T>::type;
+  T* out = static_cast<T*>(dst);
+  const size_t n = srcs.size();
+  constexpr size_t kBlock = 256;
+  A acc[kBlock];
+  const bool scaled = C == Combine::Sum && scale != 1.0;
+  for (size_t base = 0; base < numel; base += kBlock) {
+    const size_t len = std::min(kBlock, numel - base);
+    const T* s0 = static_cast<const T*>(srcs[0]) + base;
+    for (size_t i = 0; i < len; ++i) acc[i] = static_cast<A>(s0[i]);
+    for (size_t j = 1; j < n; ++j) {
+      const T* s = static_cast<const T*>(srcs[j]) + base;
+      for (size_t i = 0; i < len; ++i) acc[i] = combine<C>(acc[i], static_cast<A>(s[i]));
+    }
+    if (scaled) {
+      for (size_t i = 0; i < len; ++i) acc[i] = static_cast<A>(acc[i] * static_cast<A>(scale));
+    }
+    for (size_t i = 0; i < len; ++i) out[base + i] = static_cast<T>(acc[i]);
+  }
+}
+
+template <typename T>
+void reduce_as(void* dst, const std::vector<const void*>& srcs, size_t numel, const ReduceSpec& spec,
+               double scale) {
+  switch (spec.combine) {
+    case Combine::Sum: reduce_typed<T, Combine::Sum>(dst, srcs, numel, scale); break;
+    case Combine::Max: reduce_typed<T, Combine::Max>(dst, srcs, numel, scale); break;
+    case Combine::Min: reduce_typed<T, Combine::Min>(dst, srcs, numel, scale); break;
+    case Combine::Product: reduce_typed<T, Combine::Product>(dst, srcs, numel, scale); break;
+  }
+}
+
+double host_scale(const ReduceSpec& spec) {
+  return spec.scale_ptr ? *spec.scale_ptr : spec.scale;
 }
 
 }  // namespace
@@ -153,6 +190,8 @@ void ShmTransport::accumulate(int, float* dst, const void* src, size_t numel, DT
       for (size_t i = 0; i < numel; ++i) add(i, static_cast<float>(s[i]));
       break;
     }
+    default:
+      throw std::invalid_argument(std::string("odc: decoupled accumulate of ") + dtype_name(dtype));
   }
 }
 
@@ -200,8 +239,10 @@ void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
     // The counter's acquire load orders this read after the peer's descriptor store.
     if (check) {
       const uint64_t theirs = __atomic_load_n(check->descs[i], __ATOMIC_RELAXED);
-      if (theirs != check->expected) {
-        throw CommError(describe_mismatch(site, a_.rank, peers[i], check->expected, theirs));
+      const uint64_t chunk = __atomic_load_n(check->descs[i] + 1, __ATOMIC_RELAXED);
+      if (theirs != check->expected || chunk != target - 1) {
+        throw CommError(describe_mismatch(site, a_.rank, peers[i], check->expected, theirs,
+                                          target - 1, chunk));
       }
     }
   }
@@ -217,11 +258,18 @@ void ShmTransport::copy(int, void* dst, const void* src, size_t bytes) {
 
 void ShmTransport::reduce(int, void* dst, const std::vector<const void*>& srcs, size_t numel,
                           const ReduceSpec& spec) {
-  const float scale = host_scale(spec);
+  // fp32 scale for the fp32-accumulated types, as the GPU kernels apply it
+  const double scale = spec.dtype == DType::F64 ? host_scale(spec)
+                                                : static_cast<float>(host_scale(spec));
   switch (spec.dtype) {
-    case DType::F32: reduce_typed<float>(dst, srcs, numel, scale); break;
-    case DType::BF16: reduce_typed<c10::BFloat16>(dst, srcs, numel, scale); break;
-    case DType::F16: reduce_typed<c10::Half>(dst, srcs, numel, scale); break;
+    case DType::F32: reduce_as<float>(dst, srcs, numel, spec, scale); break;
+    case DType::BF16: reduce_as<c10::BFloat16>(dst, srcs, numel, spec, scale); break;
+    case DType::F16: reduce_as<c10::Half>(dst, srcs, numel, spec, scale); break;
+    case DType::F64: reduce_as<double>(dst, srcs, numel, spec, scale); break;
+    case DType::I32: reduce_as<int32_t>(dst, srcs, numel, spec, scale); break;
+    case DType::I64: reduce_as<int64_t>(dst, srcs, numel, spec, scale); break;
+    case DType::U8: reduce_as<uint8_t>(dst, srcs, numel, spec, scale); break;
+    case DType::I8: reduce_as<int8_t>(dst, srcs, numel, spec, scale); break;
   }
 }
 

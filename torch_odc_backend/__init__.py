@@ -32,6 +32,9 @@ def _make_inner(store, rank: int, size: int, timeout, group_name: str, global_ra
     def make(device_type: str):
         prefixed = dist.PrefixStore(f"odc_inner_{device_type}/", store)
         if device_type == "cuda":
+            if not dist.is_nccl_available():
+                raise RuntimeError("odc: this torch has no NCCL, and odc does not serve this "
+                                   "collective on CUDA tensors itself (point-to-point)")
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             opts.global_ranks_in_group = list(global_ranks)
@@ -64,6 +67,8 @@ def _new_backend(store, rank: int, size: int, timeout, group_name: str, global_r
         list(global_ranks),
         knobs.match_check,
         _new_backend,
+        knobs.self_serve,
+        dist.is_nccl_available(),
     )
 
 

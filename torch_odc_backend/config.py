@@ -62,6 +62,20 @@ def _host_size() -> int:
     return _int("ODC_HOST_SIZE", 1, 1 << 20)
 
 
+_SELF_SERVE = {"": 2, "auto": 2, "1": 1, "0": 0}
+
+
+def _self_serve() -> int:
+    """ODC_SELF_SERVE: who serves the collectives FSDP does not issue (all-reduce, broadcast,
+    all-to-all, ...): auto (default) odc itself for CUDA tensors when ranks share a GPU (NCCL
+    refuses that) or torch has no NCCL, else the inner gloo / NCCL backend; 1 odc always
+    (CPU too); 0 the inner backend always."""
+    raw = os.environ.get("ODC_SELF_SERVE", "").strip().lower()
+    if raw not in _SELF_SERVE:
+        raise ValueError(f"ODC_SELF_SERVE={raw!r}: expected auto, 1 or 0")
+    return _SELF_SERVE[raw]
+
+
 @dataclass(frozen=True)
 class Knobs:
     """0 means "the backend's default for the device"."""
@@ -75,6 +89,7 @@ class Knobs:
     transport: int  # ODC_TRANSPORT: CUDA peers over 0 auto (NVSHMEM for other hosts), 1 NVSHMEM, 2 CUDA IPC
     host_size: int  # ODC_HOST_SIZE: global ranks per host; 0: every rank on one host
     match_check: bool  # ODC_MATCH_CHECK: ranks check that their collectives match (1)
+    self_serve: int  # ODC_SELF_SERVE: other collectives by 0 the inner backend, 1 odc, 2 auto
 
 
 def knobs() -> Knobs:
@@ -88,4 +103,5 @@ def knobs() -> Knobs:
         transport=_transport(),
         host_size=_host_size(),
         match_check=os.environ.get("ODC_MATCH_CHECK", "").strip() == "" or _int("ODC_MATCH_CHECK", 0, 1) == 1,
+        self_serve=_self_serve(),
     )

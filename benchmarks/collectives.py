@@ -12,7 +12,9 @@ Two process groups are used: the default one, "cpu:gloo,cuda:odc", and
 ``--odc-nvshmem`` adds a third, "odc_nvshmem": an odc group created with
 ODC_TRANSPORT=nvshmem, whose every peer goes through NVSHMEM's on-stream calls
 (needs an ODC_WITH_NVSHMEM=1 build): odc over CUDA IPC, odc over NVSHMEM and
-NCCL side by side in one run.
+NCCL side by side in one run. ``--reference odc-nocheck`` compares odc with an odc group
+that skips the cross-rank descriptor check (ODC_MATCH_CHECK=0) instead of NCCL: what the
+check costs, measurable where NCCL cannot run (ranks sharing one GPU).
 
 Measured, in bf16, for each size (size = total output bytes of the all-gather
 = total input bytes of the reduce-scatter; in-place all-gather as FSDP2 issues
@@ -166,12 +168,12 @@ class Bench:
         self.torch, self.dist, self.args = torch, dist, args
         self.cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         self.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-        self.ref = "nccl" if self.cuda else "gloo"
+        self.ref = args.reference.replace("-", "_") if args.reference else ("nccl" if self.cuda else "gloo")
         use_odc = "odc" in self.backends
         timeout = datetime.timedelta(seconds=args.pg_timeout)
         if self.cuda:
-            self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            # odc refuses init_process_group(device_id=...): set the device first.
+            # ranks share the GPUs where there are fewer (odc runs so; NCCL does not)
+            self.local_rank = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
             torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
             default = "cpu:gloo,cuda:odc" if use_odc else "cpu:gloo,cuda:nccl"
@@ -191,7 +193,15 @@ class Bench:
             self.nvshmem = odc_nvshmem
             odc_nvshmem.init(slab_bytes=odc_nvshmem.default_slab_bytes(self.world)
                              if args.odc_nvshmem else None)
-        self.ref_pg = dist.new_group(backend=self.ref, timeout=timeout)
+        if self.ref == "odc_nocheck":  # knobs are read when a group is created
+            os.environ["ODC_MATCH_CHECK"] = "0"
+            try:
+                self.ref_pg = dist.new_group(backend="cpu:gloo,cuda:odc" if self.cuda else "cpu:odc",
+                                             timeout=timeout)
+            finally:
+                os.environ.pop("ODC_MATCH_CHECK")
+        else:
+            self.ref_pg = dist.new_group(backend=self.ref, timeout=timeout)
         self.groups = {self.ref: self.ref_pg}
         if use_odc:
             self.groups["odc"] = dist.group.WORLD
@@ -237,7 +247,9 @@ class Bench:
             "date": date.isoformat(timespec="seconds"),
             "python": sys.version.split()[0],
             "reference_backend": self.ref,
-            "process_groups": {"odc": default if use_odc else None, self.ref: f"new_group(backend={self.ref!r})",
+            "process_groups": {"odc": default if use_odc else None,
+                               self.ref: ("odc group created under ODC_MATCH_CHECK=0" if self.ref == "odc_nocheck"
+                                          else f"new_group(backend={self.ref!r})"),
                                **({"odc_nvshmem": "new_group(backend='cpu:gloo,cuda:odc') created under "
                                                   "ODC_TRANSPORT=nvshmem"} if "odc_nvshmem" in self.groups else {})},
             "dtype": "bf16",
@@ -701,6 +713,9 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="cpu: smoke test of this script on CPU tensors (cpu:odc vs gloo)")
     p.add_argument("--pg-timeout", type=float, default=300.0)
+    p.add_argument("--reference", choices=("nccl", "gloo", "odc-nocheck"), default=None,
+                   help="what odc is compared with (default: nccl on GPUs, gloo on CPU); odc-nocheck: "
+                        "an odc group without the cross-rank descriptor check (ODC_MATCH_CHECK=0)")
     p.add_argument("--odc-nvshmem", action="store_true",
                    help="also measure an odc group whose peers all go through NVSHMEM (odc_nvshmem; "
                         "needs an ODC_WITH_NVSHMEM=1 build)")

@@ -19,13 +19,22 @@ import torch.multiprocessing as mp
 # Every GPU run keeps NVLink multicast off (the GPU machines require it)
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
+
+def ranks_share_gpus(world: int) -> bool:
+    """Whether `world` ranks must share GPUs here (rank r uses GPU r % count): odc runs so,
+    NCCL refuses it, so comparisons with NCCL need a GPU per rank."""
+    return torch.cuda.device_count() < world
+
 # ODC_TEST_NVSHMEM=1 (with ODC_TRANSPORT=nvshmem or ODC_HOST_SIZE, in an ODC_WITH_NVSHMEM=1
 # build): every CUDA odc worker initialises NVSHMEM first, so the GPU suites run with their
 # peers routed through NVSHMEM (benchmarks/gpu_suite.sh, stage nvshmem)
 NVSHMEM_SUITE = os.environ.get("ODC_TEST_NVSHMEM") == "1"
+# ODC_TEST_DEVICE_ID=1: every CUDA worker passes device_id to init_process_group (DeviceMesh
+# and dist.split_group then split groups from the default one), as PyTorch recommends
+DEVICE_ID_SUITE = os.environ.get("ODC_TEST_DEVICE_ID") == "1"
 
 
-def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, queue):
+def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, queue, device_id):
     try:
         os.environ.update(env or {})
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -33,12 +42,15 @@ def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, que
         import torch.distributed as dist
         import torch_odc_backend  # noqa: F401  (registers "odc")
 
+        bound = None
         if torch.cuda.is_available() and "cuda" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
+            if device_id or DEVICE_ID_SUITE:
+                bound = torch.device("cuda", torch.cuda.current_device())
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=timeout_s), device_id=bound,
         )
         if NVSHMEM_SUITE and "cuda:odc" in backend:
             from torch_odc_backend import nvshmem as odc_nvshmem
@@ -69,13 +81,14 @@ def run_distributed(
     deadline_s: float = 300.0,
     env: dict[str, str] | None = None,
     expect_failure_ranks: set[int] | None = None,
+    device_id: bool = False,
 ) -> dict[int, Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes.
 
     Returns {rank: return value}. ``fn`` and its results must be picklable.
     ``timeout_s`` is the process-group timeout; ``deadline_s`` bounds the whole run.
     With ``expect_failure_ranks``, those ranks' tracebacks are returned (as str)
-    instead of raising.
+    instead of raising. ``device_id``: CUDA workers pass their GPU to init_process_group.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -84,7 +97,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, store_path, backend, timeout_s, fn, args, env, queue),
+                args=(r, world_size, store_path, backend, timeout_s, fn, args, env, queue, device_id),
                 daemon=True,
             )
             for r in range(world_size)

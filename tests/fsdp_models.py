@@ -109,6 +109,63 @@ def run_steps(model, opt, *, seed=0, start=0, steps=3, grad_accum=1, clip_norm=N
     return {"losses": losses, "norms": norms, "grads": grads}
 
 
+def reference_train(world: int, *, seed=0, steps=3, grad_accum=1, clip_norm=None, bf16=False,
+                    device="cpu") -> list[dict]:
+    """What `train` computes on each of `world` data-parallel ranks, in one process without
+    any sharding: each rank's losses on its own batches, the gradient averaged over ranks
+    (FSDP2's default reduction), clipping on the whole gradient, AdamW. With bf16, each
+    forward and backward runs on a bf16 copy of the fp32 weights and the gradients are
+    reduced in fp32, as MixedPrecisionPolicy(bfloat16, float32) does. Returns one `train`
+    result per rank (only the losses differ between them). CPU kernels run on one thread,
+    as the test workers do (a matmul's summation order, so its rounding, depends on it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_train(world, seed, steps, grad_accum, clip_norm, bf16, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_train(world, seed, steps, grad_accum, clip_norm, bf16, device):
+    torch.manual_seed(seed)
+    model = TinyLM().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01)
+    compute = TinyLM().to(device=device, dtype=torch.bfloat16) if bf16 else model
+    losses, norms = [[] for _ in range(world)], []
+    for step in range(steps):
+        if bf16:
+            with torch.no_grad():
+                for c, p in zip(compute.parameters(), model.parameters()):
+                    c.copy_(p)
+        for r in range(world):
+            loss_r = 0.0
+            for m in range(grad_accum):
+                x, y = batch(seed, r, step, m, device)
+                loss = F.cross_entropy(compute(x).float(), y.reshape(-1))
+                (loss / grad_accum).backward()
+                loss_r += loss.item()
+            losses[r].append(loss_r / grad_accum)
+            if bf16:  # each rank's bf16 gradient, reduced in fp32
+                for c, p in zip(compute.parameters(), model.parameters()):
+                    p.grad = c.grad.float() if p.grad is None else p.grad + c.grad.float()
+                    c.grad = None
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.div_(world)
+        params = list(model.parameters())
+        if step == steps - 1:
+            grads = {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
+        if clip_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(float(norm))
+        opt.step()
+        opt.zero_grad()
+    final = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return [{"losses": losses[r], "norms": norms, "grads": grads, "params": final} for r in range(world)]
+
+
 def full_params(model) -> dict[str, torch.Tensor]:
     """Unsharded parameters as CPU float32 tensors (collective: all ranks must call)."""
     return {n: p.full_tensor().detach().float().cpu() for n, p in model.named_parameters()}
@@ -149,6 +206,31 @@ def assert_runs_close(got, ref, *, rtol, atol, what=""):
         assert got[kind].keys() == ref[kind].keys()
         for name in ref[kind]:
             check(got[kind][name], ref[kind][name], f"{kind[:-1]} {name}")
+
+
+# bf16 params / fp32 reduction: a few-ulp fp32 difference in a master weight can flip its
+# bf16 rounding (2^-8 relative) for the next forward, so losses, grad norms and (per tensor,
+# in norm) gradients of two correct runs may drift by ~1e-3 relative; a wrong shard, offset
+# or scale moves them by far more than 1e-2. Final weights: AdamW moves each weight by ~lr
+# per step, so their difference is compared with the size of the update itself.
+BF16_RTOL, BF16_UPDATE_RTOL = 1e-2, 5e-2
+
+
+def assert_bf16_runs_close(got, ref, *, what=""):
+    """Compare two bf16 (MixedPrecisionPolicy(bfloat16, float32)) `train` results."""
+    def rel_close(a, b, base, tol, label):
+        for name, r in b.items():
+            diff = (torch.as_tensor(a[name]) - torch.as_tensor(r)).norm()
+            scale = torch.as_tensor(base[name]).norm()
+            assert scale > 0 and diff <= tol * scale, f"{what} {label} {name}: |diff|={diff:.3g} vs {tol}*{scale:.3g}"
+
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.as_tensor(got[key]), torch.as_tensor(ref[key]), rtol=BF16_RTOL,
+                                   atol=0, msg=lambda m: f"{what} {key}: {m}")
+    rel_close(got["grads"], ref["grads"], ref["grads"], BF16_RTOL, "grad")
+    init = init_params()
+    updates = {n: torch.as_tensor(p) - init[n] for n, p in ref["params"].items()}
+    rel_close(got["params"], ref["params"], updates, BF16_UPDATE_RTOL, "param")
 
 
 class CallSpy:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import traceback
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import fsdp_models as fm
@@ -21,6 +22,7 @@ CONFIGS = {
         "w2": dict(mesh=(2,)),
         "w2_noreshard_accum_clip": dict(mesh=(2,), reshard_after_forward=False, **ACCUM_CLIP),
         "w2_dcp": dict(mesh=(2,), dcp=True),
+        "w2_bf16": dict(mesh=(2,), bf16=True),  # MixedPrecisionPolicy(bfloat16, float32)
     },
     4: {
         "w4": dict(mesh=(4,)),
@@ -67,6 +69,11 @@ def _worker(rank, world, configs, ckpt_dir):
             key = (cfg.pop("mesh"), cfg.pop("dims", None))
             if key not in meshes:
                 meshes[key] = init_device_mesh("cpu", key[0], mesh_dim_names=key[1])
+            if cfg.pop("bf16", False):
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                cfg["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                        reduce_dtype=torch.float32)
             try:
                 if cfg.pop("dcp", False):
                     out[name] = _dcp_round_trip(meshes[key], f"{ckpt_dir}/{name}", **cfg)
@@ -124,3 +131,17 @@ def test_odc_backend_is_used(run, world):
     for rank, res in run(world, ODC).items():
         assert "odc" in res["default_backend"] or "custom" in res["default_backend"], res["default_backend"]
         fm.assert_fsdp_used_odc(res["calls"], res["groups"], what=f"rank {rank}")
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, cs in CONFIGS.items() for n in cs if "dcp" not in n])
+def test_single_process_reference_equals_fsdp2(run, world, name):
+    """fsdp_models.reference_train (what the GPU tests compare with where NCCL cannot run:
+    ranks sharing a GPU) reproduces FSDP2's training: checked here against gloo's."""
+    cfg = CONFIGS[world][name]
+    ref = fm.reference_train(world, **{k: cfg[k] for k in ("grad_accum", "clip_norm", "bf16") if k in cfg})
+    for rank in range(world):
+        got, what = _config(run, world, REF, name, rank), f"reference vs gloo {name} rank {rank}"
+        if cfg.get("bf16"):
+            fm.assert_bf16_runs_close(got, ref[rank], what=what)
+        else:
+            fm.assert_runs_close(got, ref[rank], rtol=RTOL, atol=ATOL, what=what)

@@ -1,5 +1,8 @@
-"""GPU tests: odc ("cpu:gloo,cuda:odc") against NCCL on the same inputs, stream semantics,
-device errors and a stuck peer. Skipped (loudly, see conftest.py) without >= 2 GPUs."""
+"""GPU tests: odc ("cpu:gloo,cuda:odc") against float64 / bitwise references and, where each
+rank has a GPU of its own, against NCCL on the same inputs; stream semantics, device errors,
+a stuck peer, ranks that disagree about a collective, the collectives odc serves itself, and
+init_process_group(device_id=...). With one GPU the ranks share it (odc runs so; NCCL does
+not). Skipped (loudly, see conftest.py) without a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -7,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 import torch_odc_backend  # noqa: F401  (registers "odc" in this process too)
-from dist_utils import GPU_ENV, run_distributed
+from dist_utils import GPU_ENV, ranks_share_gpus, run_distributed
 from test_collectives import (AG_DTYPES, FLOATS, RS_OPS, ag_case, check_case, check_close,
                               check_equal, rs_case, wait)
 from test_errors import PEER, check_peer_failure, expect_error, record_failure, wait_for_survivors
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
 
 BACKEND = "cpu:gloo,cuda:odc"
 # NVLink multicast must stay off on shared hosts.
@@ -22,7 +25,7 @@ BIG = 64 << 20  # bytes: all-gather output / reduce-scatter input of the largest
 # an fp32 factor for bf16 data (ProcessGroupNCCL's unpackPreMulSum<float, ncclBfloat16>).
 # Those cases compare odc with the float64 reference only (measured on 2 x H200, 2026-11-22).
 NCCL_BROKEN = {(torch.bfloat16, "premul_float"), (torch.bfloat16, "premul_tensor")}
-WORLDS = [2, pytest.param(4, marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs >= 4 GPUs"))]
+WORLDS = [2, 4]  # ranks; they share GPUs where there are fewer
 
 
 def _device():
@@ -46,19 +49,22 @@ def _cases(world):
 
 def _compare_worker(rank, world):
     dev, errors = _device(), []
-    nccl = dist.new_group(backend="nccl")
+    nccl = None if ranks_share_gpus(world) else dist.new_group(backend="nccl")
     for c in _cases(world):
         what = " ".join(f"{k}={c[k]}" for k in ("kind", "dtype", "n", "op", "async_op", "inplace") if k in c)
         if c["kind"] == "ag":
             a, b = (ag_case(c["seed"], c["n"], c["dtype"], rank, world, c["offset"], c["inplace"], dev)
                     for _ in range(2))
             work = dist.all_gather_into_tensor(a["out"], a["inp"], async_op=c["async_op"])
-            dist.all_gather_into_tensor(b["out"], b["inp"], group=nccl)
+            if nccl is None:
+                b = None
+            else:
+                dist.all_gather_into_tensor(b["out"], b["inp"], group=nccl)
         else:
             a, b = (rs_case(c["seed"], c["n"], c["dtype"], rank, world, c["op"], c["factor"], c["offset"], dev)
                     for _ in range(2))
             work = dist.reduce_scatter_tensor(a["out"], a["inp"], op=a["redop"], async_op=c["async_op"])
-            if (c["dtype"], c["op"]) in NCCL_BROKEN:
+            if nccl is None or (c["dtype"], c["op"]) in NCCL_BROKEN:
                 b = None
             else:
                 dist.reduce_scatter_tensor(b["out"], b["inp"], op=b["redop"], group=nccl)
@@ -83,7 +89,11 @@ def _compare_worker(rank, world):
 @pytest.mark.parametrize("env", [{}, SMALL_GPU_RING, {"ODC_SMALL_OP_BYTES": "0"}, {"ODC_STREAM_MEMOPS": "1"}],
                          ids=["default-env", "chunk256k-slots2", "no-fused-kernel", "stream-memops"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_matches_nccl(world, env):
+def test_matches_reference_and_nccl(world, env):
+    """Every case against its float64 / bitwise reference, and against NCCL's result where
+    each rank has a GPU of its own."""
+    if ranks_share_gpus(world) and world > 2 and env:
+        pytest.skip("4 ranks sharing GPUs: the default knobs only (the others run at 2 ranks)")
     res = run_distributed(_compare_worker, world, backend=BACKEND, env={**GPU_ENV, **env},
                           timeout_s=120, deadline_s=500)
     errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
@@ -151,6 +161,8 @@ def _device_errors_worker(rank, world):
     e = torch.empty
     cuda_only, cpu_only = dist.new_group(backend="cuda:odc"), dist.new_group(backend="cpu:odc")
     other = torch.device("cuda", (dev.index + 1) % torch.cuda.device_count())
+    if other == dev:  # one GPU: a device this process does not use, e.g. a CPU tensor's
+        other = torch.device("cpu")
     cases = [
         ("AG input on CPU", lambda a: dist.all_gather_into_tensor(e(world * n, device=dev), e(n), async_op=a)),
         ("AG output on CPU", lambda a: dist.all_gather_into_tensor(e(world * n), e(n, device=dev), async_op=a)),
@@ -208,11 +220,79 @@ def test_stuck_peer_times_out(tmp_path, n, env):
     check_peer_failure(_stuck_peer_worker, 2, "sleep", tmp_path, n, backend=BACKEND, env={**GPU_ENV, **env})
 
 
-def test_device_id_is_refused_with_advice(tmp_path):
-    # DeviceMesh would split a group bound to a device; odc refuses at init and says what to do.
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    with pytest.raises(RuntimeError, match="set_device"):
-        dist.init_process_group("cpu:gloo,cuda:odc", store=store, rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+# ----------------------------------------------------------------------------- mismatch
+def _mismatch_worker(rank, world):
+    import test_mismatch as tm
+
+    return tm.run_cases(rank, world, _device())
+
+
+@pytest.mark.parametrize("env", [{}, {**SMALL_GPU_RING, "ODC_SMALL_OP_BYTES": "0"}, {"ODC_STREAM_MEMOPS": "1"}],
+                         ids=["fused-kernel", "copy-engines", "stream-memops"])
+def test_mismatch_is_reported_on_every_rank(env):
+    """The CPU mismatch cases (tests/test_mismatch.py) on GPUs: found by the kernels."""
+    import test_mismatch as tm
+
+    res = run_distributed(_mismatch_worker, tm.WORLD, backend=BACKEND, env={**GPU_ENV, **env},
+                          timeout_s=tm.TIMEOUT_S, deadline_s=300)
+    for case in tm.CASES:
+        tm.assert_reported(res, case)
+    tm.assert_others_fine(res)
+
+
+# ----------------------------------------------------------------------------- own collectives
+def _own_worker(rank, world):
+    import test_own_collectives as to
+
+    return to.run_all(rank, world, _device())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_own_collectives_on_gpu(world):
+    """The collectives odc serves itself, on CUDA tensors: automatically where the ranks share
+    a GPU, forced (ODC_SELF_SERVE=1) where each has its own."""
+    import test_own_collectives as to
+
+    env = {**GPU_ENV, **to.SMALL_RING} if ranks_share_gpus(world) else {**GPU_ENV, **to.OWN}
+    res = run_distributed(_own_worker, world, backend=BACKEND, env=env, deadline_s=400)
+    to.assert_results(res, device="cuda")
+
+
+# ----------------------------------------------------------------------------- device_id
+def _device_id_worker(rank, world):
+    """With device_id, DeviceMesh splits its groups from the default one (odc's split)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_odc_backend import OdcBackend
+
+    dev = _device()
+    assert dist.group.WORLD.bound_device_id == dev, dist.group.WORLD.bound_device_id
+    out = {}
+    mesh = init_device_mesh("cuda", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    for dim in ("replicate", "shard"):
+        g = mesh.get_group(dim)
+        b = g._get_backend(dev)
+        y = torch.empty(g.size(), device=dev)
+        dist.all_gather_into_tensor(y, torch.tensor([float(rank)], device=dev), group=g)
+        t = torch.tensor([float(rank)], device=dev)
+        dist.all_reduce(t, group=g)
+        out[dim] = (isinstance(b, OdcBackend), b.global_ranks(), y.tolist(), t.item())
+    pair = dist.new_group([0, 1])  # ranks outside it: perform_nocolor_split
+    if rank in (0, 1):
+        y = torch.empty(2, device=dev)
+        dist.all_gather_into_tensor(y, torch.tensor([float(rank)], device=dev), group=pair)
+        out["pair"] = y.tolist()
+    return out
+
+
+def test_device_id_splits_groups(tmp_path):
+    world = 4
+    res = run_distributed(_device_id_worker, world, backend=BACKEND, env=GPU_ENV, deadline_s=300,
+                          device_id=True)
+    for rank, out in res.items():
+        row, col = divmod(rank, 2)
+        shard, repl = [2 * row, 2 * row + 1], [col, col + 2]
+        assert out["shard"] == (True, shard, [float(r) for r in shard], float(sum(shard))), (rank, out)
+        assert out["replicate"] == (True, repl, [float(r) for r in repl], float(sum(repl))), (rank, out)
+        if rank in (0, 1):
+            assert out["pair"] == [0.0, 1.0]

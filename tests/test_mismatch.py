@@ -25,20 +25,22 @@ SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 
 
 def _ag(n, dtype):
-    return lambda g: dist.all_gather_into_tensor(torch.empty(WORLD * n, dtype=dtype),
-                                                 torch.ones(n, dtype=dtype), group=g)
+    return lambda g, dev: dist.all_gather_into_tensor(
+        torch.empty(WORLD * n, dtype=dtype, device=dev), torch.ones(n, dtype=dtype, device=dev), group=g)
 
 
 def _rs(n, dtype, op):
-    return lambda g: dist.reduce_scatter_tensor(torch.empty(n, dtype=dtype),
-                                                torch.ones(WORLD * n, dtype=dtype), op=op, group=g)
+    return lambda g, dev: dist.reduce_scatter_tensor(
+        torch.empty(n, dtype=dtype, device=dev), torch.ones(WORLD * n, dtype=dtype, device=dev),
+        op=op, group=g)
 
 
 def _coalesced_ag(second):
-    def call(g):
+    def call(g, dev):
         with dist.distributed_c10d._coalescing_manager(group=g):
-            dist.all_gather_into_tensor(torch.empty(WORLD * 4), torch.ones(4), group=g)
-            dist.all_gather_into_tensor(torch.empty(WORLD * second), torch.ones(second), group=g)
+            dist.all_gather_into_tensor(torch.empty(WORLD * 4, device=dev), torch.ones(4, device=dev), group=g)
+            dist.all_gather_into_tensor(torch.empty(WORLD * second, device=dev),
+                                        torch.ones(second, device=dev), group=g)
     return call
 
 
@@ -65,20 +67,29 @@ CASES = {
 }
 
 
-def _worker(rank, world):
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_cases(rank, world, dev):
+    """Each case on a fresh group: the error (on GPU raised by the group's next call: the
+    kernels find the mismatch), how long it took, and what a further call raises."""
     out = {}
     for name, (agreed, odd, _) in CASES.items():
         g = dist.new_group(list(range(world)))
         t0 = time.monotonic()
         try:
-            (odd if rank == ODD else agreed)(g)
+            (odd if rank == ODD else agreed)(g, dev)
+            _sync(dev)
+            _ag(4, F32)(g, dev)  # on GPU the failure is recorded on the device: this raises it
             out[name] = dict(error=None)
         except Exception as exc:  # noqa: BLE001
             out[name] = dict(error=str(exc), type=type(exc).__name__,
                              is_runtime=isinstance(exc, RuntimeError))
         out[name]["elapsed"] = time.monotonic() - t0
         try:  # the group stays unusable, with the same message
-            _ag(4, F32)(g)
+            _ag(4, F32)(g, dev)
             out[name]["after"] = None
         except Exception as exc:  # noqa: BLE001
             out[name]["after"] = str(exc)
@@ -88,16 +99,21 @@ def _worker(rank, world):
     unchecked = dist.new_group(list(range(world)))
     os.environ.pop("ODC_MATCH_CHECK")
     try:
-        (CASES["ag_dtype"][1] if rank == ODD else CASES["ag_dtype"][0])(unchecked)
+        (CASES["ag_dtype"][1] if rank == ODD else CASES["ag_dtype"][0])(unchecked, dev)
+        _sync(dev)
         out["unchecked"] = None
     except Exception as exc:  # noqa: BLE001
         out["unchecked"] = str(exc)
     # Groups that agree were not disturbed by the others' failures.
-    x = torch.arange(5, dtype=F32) + 10 * rank
-    y = torch.empty(world * 5)
+    x = torch.arange(5, dtype=F32, device=dev) + 10 * rank
+    y = torch.empty(world * 5, device=dev)
     dist.all_gather_into_tensor(y, x)
     out["world_after"] = y.tolist()
     return out
+
+
+def _worker(rank, world):
+    return run_cases(rank, world, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +124,10 @@ def run():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_mismatch_raises_on_every_rank_naming_both_sides(run, case):
-    res = run()
+    assert_reported(run(), case)
+
+
+def assert_reported(res, case):
     agreed_text, odd_text = CASES[case][2]
     for rank in range(WORLD):
         r = res[rank][case]
@@ -124,14 +143,13 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(run, case):
         assert r["after"] is not None and "different collective" in r["after"], (rank, r["after"])
 
 
-def test_check_can_be_turned_off(run):
-    res = run()
-    for rank in range(WORLD):
-        assert res[rank]["unchecked"] is None, f"rank {rank}: {res[rank]['unchecked']}"
-
-
-def test_other_groups_keep_working(run):
-    res = run()
+def assert_others_fine(res):
+    """The check can be turned off, and groups that agree keep working."""
     want = [float(10 * r + i) for r in range(WORLD) for i in range(5)]
     for rank in range(WORLD):
+        assert res[rank]["unchecked"] is None, f"rank {rank}: {res[rank]['unchecked']}"
         assert res[rank]["world_after"] == want, (rank, res[rank]["world_after"])
+
+
+def test_check_can_be_turned_off_and_other_groups_keep_working(run):
+    assert_others_fine(run())

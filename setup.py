@@ -1,5 +1,9 @@
 """Build torch_odc_backend._C: CPU-only against a CPU torch, CPU + CUDA where torch has CUDA.
 
+The project's metadata is in pyproject.toml; this file only describes the extension.
+Install with `pip install --no-build-isolation --no-deps -e .` (or `pip install
+--no-build-isolation .`) in the environment whose torch the extension will run with.
+
 ODC_BUILD_CUDA=0 forces a CPU-only build; TORCH_CUDA_ARCH_LIST picks GPU
 architectures (default 9.0, Hopper). ODC_WITH_NVSHMEM=1 (CUDA builds) adds the NVSHMEM
 runtime (host library only), found under $NVSHMEM_HOME or in the nvidia-nvshmem-cu13 wheel.
@@ -7,7 +11,7 @@ runtime (host library only), found under $NVSHMEM_HOME or in the nvidia-nvshmem-
 import os
 
 import torch
-from setuptools import find_packages, setup
+from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HOST_SOURCES = [
@@ -70,12 +74,4 @@ else:
         "torch_odc_backend._C", HOST_SOURCES, extra_compile_args=cxx_flags, libraries=["rt"]
     )
 
-setup(
-    name="torch_odc_backend",
-    version="0.1.0",
-    description="One-sided (on-demand) all-gather / reduce-scatter process-group backend for FSDP",
-    packages=find_packages(include=["torch_odc_backend", "torch_odc_backend.*"]),
-    ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    python_requires=">=3.10",
-)
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})

@@ -10,22 +10,24 @@
 #
 # Stages (a failing stage is reported; later stages still run; exit status is
 # nonzero when any stage failed):
-#   build    MAX_JOBS=16 python3 setup.py build_ext --inplace  (the GPU machines have no package
-#            registry, where pip's editable install tries to fetch build requirements)
+#   build    MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e .  (the README's
+#            install; fetches nothing: the GPU machines have no package registry, and their python
+#            has torch, setuptools, wheel, pybind11 and ninja), then import torch_odc_backend
 #   tests    pytest tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py on 2 GPUs, then on 4
 #            (there only the tests that use every GPU: the others ran on 2)
 #   bench    benchmarks/collectives.py under torchrun on 2 GPUs (0,1), then on 4
 #   train    benchmarks/train_imbalanced.py on all GPUs: a 2-layer smoke run, then the 1.5B
 #            long-tailed run and the balanced control (TRAIN_ARGS adds arguments to both),
 #            with timeline plots (benchmarks/plot_timeline.py)
-#   nvshmem  rebuild with ODC_WITH_NVSHMEM=1, then tests/test_nvshmem.py on all GPUs (runtime,
-#            collectives and decoupled mode with every peer over NVSHMEM, and with 4 GPUs as
-#            2 hosts x 2), the GPU suites of the tests stage with every peer over NVSHMEM
-#            (ODC_TEST_NVSHMEM=1 ODC_TRANSPORT=nvshmem; on 2 and 4 GPUs) and with 4 GPUs as two
-#            hosts (ODC_HOST_SIZE=2), benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs,
-#            benchmarks/collectives.py --odc-nvshmem on all GPUs (odc over CUDA IPC, odc over
-#            NVSHMEM and NCCL in one run) and, on 4+ GPUs, with ODC_HOST_SIZE splitting them
-#            into two hosts. Run it last: it replaces the built extension.
+#   nvshmem  reinstall (the build stage's command) with ODC_WITH_NVSHMEM=1, then
+#            tests/test_nvshmem.py on all GPUs (runtime, collectives and decoupled mode with
+#            every peer over NVSHMEM, and with 4 GPUs as 2 hosts x 2), the GPU suites of the
+#            tests stage with every peer over NVSHMEM (ODC_TEST_NVSHMEM=1
+#            ODC_TRANSPORT=nvshmem; on 2 and 4 GPUs) and with 4 GPUs as two hosts
+#            (ODC_HOST_SIZE=2), benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs,
+#            benchmarks/collectives.py --odc-nvshmem on all GPUs (odc over CUDA IPC, odc
+#            over NVSHMEM and NCCL in one run) and, on 4+ GPUs, with ODC_HOST_SIZE splitting
+#            them into two hosts. Run it last: it replaces the built extension.
 #   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, odc --decoupled (unless
 #            EXAMPLE_DECOUPLED=0), reference (NCCL)
 #
@@ -102,6 +104,7 @@ skip_step() {  # NAME REASON
     echo "gpus: $NGPU x ${GPU_NAME:-none}"
     nvidia-smi 2>&1 | head -n 30
     nvidia-smi topo -m 2>&1 | head -n 12
+    $PY -m pip --version 2>&1; $PY -c 'import setuptools; print("setuptools", setuptools.__version__)' 2>&1
     $PY -c 'import sys, torch; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)' 2>&1
     env | grep -E '^(NCCL_|TORCH_SYMM|NVSHMEM_|ODC_|CUDA_VISIBLE)' | sort
 } > "$OUT/env.log" 2>&1
@@ -111,7 +114,7 @@ gpu_list() { seq -s, 0 $(( $1 - 1 )); }
 
 stage_build() {
     run_step build 300 "$OUT/build.log" \
-        env MAX_JOBS=${MAX_JOBS:-16} $PY setup.py build_ext --inplace
+        env MAX_JOBS=${MAX_JOBS:-16} $PY -m pip install --no-build-isolation --no-deps -e .
     run_step import 60 "$OUT/import.log" \
         $PY -c 'import torch, torch_odc_backend; print("torch_odc_backend imported from", torch_odc_backend.__file__)'
 }
@@ -185,7 +188,7 @@ stage_train() {
 stage_nvshmem() {
     if [ "$NGPU" -lt 2 ]; then skip_step nvshmem "only $NGPU GPUs"; return; fi
     run_step nvshmem_build 300 "$OUT/nvshmem_build.log" \
-        env ODC_WITH_NVSHMEM=1 MAX_JOBS=${MAX_JOBS:-16} $PY setup.py build_ext --inplace
+        env ODC_WITH_NVSHMEM=1 MAX_JOBS=${MAX_JOBS:-16} $PY -m pip install --no-build-isolation --no-deps -e .
     run_step nvshmem_tests 240 "$OUT/nvshmem_tests.log" \
         $PY -m pytest -q -rA tests/test_nvshmem.py
     # the GPU suites with their peers routed through NVSHMEM: all of them (forced), and on 4+

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """First GPU experiments for the NVSHMEM transport (docs/nvshmem_transport.md, section 5).
 
-    ODC_WITH_NVSHMEM=1 MAX_JOBS=16 python3 setup.py build_ext --inplace
+    ODC_WITH_NVSHMEM=1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e .
     torchrun --standalone --nproc-per-node=2 benchmarks/nvshmem_probe.py [--torch-symm-mem]
 
 1. host-library initialisation through our own unique-id exchange; PE numbering;

@@ -14,28 +14,21 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=
 if [ "${ODC_SKIP_INSTALL:-0}" != 1 ]; then
     # The install lines of .ci/run, except that a torch already present (e.g. a CUDA
     # build on a GPU machine) and packages already importable are left as they are.
-    # pip < 25 installs a setup.py project editable through the legacy `setup.py develop`,
-    # which recent setuptools turns into an isolated build without torch: upgrade such a pip.
-    if ! "$PY" -c 'import sys, pip; sys.exit(int(pip.__version__.split(".")[0]) < 25)' 2>/dev/null; then
-        "$PY" -m pip install --upgrade pip || echo "warning: could not upgrade pip; the editable install may fail"
-    fi
     if "$PY" -c 'import torch' 2>/dev/null; then
         echo "using installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
     else
         "$PY" -m pip install torch==2.13.0
     fi
     missing=()
-    for mod in setuptools wheel pybind11 ninja pytest numpy matplotlib; do
+    for mod in wheel pybind11 ninja pytest numpy matplotlib; do
         "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
     done
+    "$PY" -c 'import sys, setuptools; sys.exit(int(setuptools.__version__.split(".")[0]) < 64)' \
+        2>/dev/null || missing+=("setuptools>=64")   # 64: editable installs of pyproject.toml projects
     [ "${#missing[@]}" -eq 0 ] || "$PY" -m pip install "${missing[@]}"
-    # Machines without a package registry: pip's editable install may try to fetch build
-    # requirements; building in place needs nothing more.
-    MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e . || {
-        echo "editable install failed; building the extension in place instead"
-        MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" setup.py build_ext --inplace
-        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    }
+    # --no-build-isolation: build against the torch above and fetch nothing (machines
+    # without a package registry too)
+    MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e .
 fi
 
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')

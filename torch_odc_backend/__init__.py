@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from . import config
+from ._build_check import check as _check_build
+_check_build()  # ImportError naming both torch versions when _C was built against another torch
 from ._C import OdcBackend, built_with_cuda
 
 __all__ = ["OdcBackend", "backend_stats", "balance", "built_with_cuda", "decouple", "metrics", "sync"]

@@ -2,7 +2,9 @@
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
 
@@ -230,6 +232,19 @@ void OdcBackend::release_inners(bool abort) {
 void OdcBackend::shutdown() { release_inners(false); }
 void OdcBackend::abort() { release_inners(true); }
 
+void OdcBackend::settle_default_backend_type() {
+  std::call_once(default_type_once_, [this] {
+    try {
+      auto pg = c10d::resolve_process_group(getGroupUid());
+      if (pg && pg->getBackendType() == c10d::ProcessGroup::BackendType::UNDEFINED) {
+        pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+      }
+    } catch (const std::exception&) {
+      // not a registered group (e.g. a backend made by hand): nothing to settle
+    }
+  });
+}
+
 void OdcBackend::check_usable() {
   ODC_CHECK(broken_.empty(), Error, "odc: group '", group_name_,
               "' is unusable after an earlier communication error: ", broken_);
@@ -386,6 +401,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
                                                   c10d::OpType type, std::vector<at::Tensor> outputs,
                                                   std::vector<at::Tensor> keep, const Body& body,
                                                   bool blocking) {
+  settle_default_backend_type();
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
   Channel& ch = channel(device);
@@ -546,6 +562,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter_tensor_coalesced(
 // ---- Delegation to the inner backend of the tensors' device type.
 
 c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
+  settle_default_backend_type();
   std::lock_guard<std::mutex> lock(inner_mu_);
   {
     std::lock_guard<std::mutex> state(mu_);
@@ -703,6 +720,7 @@ OdcBackend::ArenaEntry& OdcBackend::arena_at(int64_t arena, int64_t group, const
 
 template <typename F>
 void OdcBackend::arena_call(F&& body) {
+  settle_default_backend_type();
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
   try {

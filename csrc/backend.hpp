@@ -14,7 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
+#include <mutex>  // also std::once_flag
 #include <string>
 
 #include "protocol.hpp"
@@ -241,6 +241,13 @@ class OdcBackend final : public c10d::Backend {
   template <typename F>
   void arena_call(F&& body);
   void check_usable();
+  // Once, at the group's first use: a process group whose backend string names odc beside
+  // another backend ("cpu:gloo,cuda:odc") is left without a default backend type by
+  // init_process_group (it compares the plugin registry's upper-case name with the backend
+  // string's lower-case one), and destroy_process_group then warns "No backend of type 0
+  // found ...". Set the type PyTorch meant to set (CUSTOM: this backend).
+  void settle_default_backend_type();
+  std::once_flag default_type_once_;
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds timeout_;

@@ -154,7 +154,19 @@ def test_setup_py_describes_only_the_extension():
 def test_runtime_imports_are_declared():
     # numpy: imported lazily by odc.balance.FittedCost.fit only (in the test extra)
     imports = _third_party_imports((ROOT / "torch_odc_backend").glob("*.py"))
-    assert imports <= {"torch", "numpy"}, imports
+    # _torch_odc_backend_autoload: this distribution's own entry-point module
+    assert imports <= {"torch", "numpy", "_torch_odc_backend_autoload"}, imports
+    assert _third_party_imports([ROOT / "_torch_odc_backend_autoload.py"]) <= {"torch"}
+
+
+def test_autoload_entry_point_is_declared_and_installed():
+    from importlib.metadata import entry_points
+
+    declared = _pyproject()["project"]["entry-points"]["torch.backends"]
+    assert declared == {"odc": "_torch_odc_backend_autoload:autoload"}, declared
+    assert "_torch_odc_backend_autoload" in _pyproject()["tool"]["setuptools"]["py-modules"]
+    installed = {e.name: e.value for e in entry_points(group="torch.backends")}
+    assert installed.get("odc") == declared["odc"], installed
 
 
 def test_benchmark_imports_are_in_the_benchmarks_extra():

@@ -1,0 +1,60 @@
+"""What ``import torch`` runs for torch_odc_backend (its ``torch.backends`` entry point,
+PyTorch >= 2.5; ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns it off).
+
+It registers the "odc" backend, and with ``ODC_DEFAULT_BACKEND`` makes odc the default
+backend of the named device types, without importing the package: the package (and its
+compiled core) loads when a group is created. So ``import torch`` stays as fast as it
+was, and the user's own ``import torch_odc_backend`` keeps meaning "this process uses
+odc" (it then asks CUDA for eager module loading, which odc needs, if CUDA is not up yet;
+ODC_DEFAULT_BACKEND with cuda asks for it here). A bad knob or a broken install must not
+break ``import torch`` for the user's other work: any failure here is one warning.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+BACKEND_NAME = "odc"
+
+
+def default_backend_devices() -> list[str]:
+    """ODC_DEFAULT_BACKEND: the device types whose default backend becomes odc ("cuda",
+    "cpu" or "cpu,cuda"); unset or empty: none (PyTorch's defaults stay)."""
+    raw = os.environ.get("ODC_DEFAULT_BACKEND", "").strip().lower()
+    devices = [d.strip() for d in raw.split(",") if d.strip()]
+    bad = [d for d in devices if d not in ("cpu", "cuda")]
+    if bad:
+        raise ValueError(f"ODC_DEFAULT_BACKEND={raw!r}: expected cuda, cpu or cpu,cuda")
+    return devices
+
+
+def _create(opts, pg_options):
+    """The registered creator: the package loads with the first odc group."""
+    import torch_odc_backend
+
+    return torch_odc_backend._create_backend(opts, pg_options)
+
+
+def register(creator=_create) -> list[str]:
+    """Register "odc" (unless it is) and apply ODC_DEFAULT_BACKEND through PyTorch's public
+    Backend.default_device_backend_map, which init_process_group() without a backend,
+    init_device_mesh without a group and trainers that derive a backend from it use.
+    Returns the devices switched."""
+    import torch.distributed as dist
+
+    devices = default_backend_devices()
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, creator, extended_api=True, devices=["cpu", "cuda"])
+    for device in devices:
+        dist.Backend.default_device_backend_map[device] = BACKEND_NAME
+    return devices
+
+
+def autoload() -> None:
+    try:
+        devices = register()
+        if "cuda" in devices and os.environ.get("ODC_ALLOW_LAZY_LOADING") != "1":
+            os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # before CUDA starts: odc needs it
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"torch_odc_backend was not set up at `import torch` ({type(e).__name__}: {e}); "
+                      f"`import torch_odc_backend` raises the error", RuntimeWarning)

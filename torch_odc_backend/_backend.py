@@ -1,0 +1,83 @@
+"""The odc backend's creation: what ``init_process_group``, ``new_group`` and a split call.
+
+Loaded on first use (the package's import stays light, as ``import torch`` imports it
+through the ``torch.backends`` entry point): it loads the compiled ``_C`` after checking
+that it was built for the running torch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _build_check, config
+
+_build_check.check()  # ImportError naming both torch versions when _C was built against another torch
+from ._C import OdcBackend  # noqa: E402
+
+
+def _make_inner(store, rank: int, size: int, timeout, group_name: str, global_ranks):
+    """Factory for the inner group that takes delegated collectives on a device type."""
+
+    def make(device_type: str):
+        prefixed = dist.PrefixStore(f"odc_inner_{device_type}/", store)
+        if device_type == "cuda":
+            if not dist.is_nccl_available():
+                raise RuntimeError("odc: this torch has no NCCL, and odc does not serve this "
+                                   "collective on CUDA tensors itself (point-to-point)")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            opts.global_ranks_in_group = list(global_ranks)
+            opts.group_name = f"{group_name}:odc_inner"
+            return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+    return make
+
+
+def _new_backend(store, rank: int, size: int, timeout, group_name: str, global_ranks):
+    """The odc backend of one group: what the creator and a split (init_process_group with
+    device_id: DeviceMesh, split_group) have in common. The ODC_* knobs are read now."""
+    knobs = config.knobs()
+    return OdcBackend(
+        store,
+        rank,
+        size,
+        timeout,
+        group_name,
+        _make_inner(store, rank, size, timeout, group_name, global_ranks),
+        knobs.chunk_bytes,
+        knobs.ring_slots,
+        knobs.reduce_blocks,
+        knobs.small_op_bytes,
+        knobs.stream_memops,
+        knobs.accumulate_blocks,
+        knobs.transport,
+        knobs.host_size,
+        list(global_ranks),
+        knobs.match_check,
+        _new_backend,
+        knobs.self_serve,
+        dist.is_nccl_available(),
+    )
+
+
+def create_backend(opts, pg_options):
+    """The registered creator's work (``dist.Backend.register_backend(..., extended_api=True)``)."""
+    config.knobs()  # bad knobs fail here, before anything is set up
+    if not dist.is_initialized():  # the default group, being created: every rank passes here
+        from . import nvshmem
+
+        # peers routed over NVSHMEM (ODC_TRANSPORT / ODC_HOST_SIZE): bring NVSHMEM up now,
+        # world-collectively, with the unique id through this group's store
+        nvshmem.init_from_backend(opts.store, opts.group_rank, opts.group_size)
+    return _new_backend(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id,
+                        opts.global_ranks_in_group or [])
+
+
+def backend_stats(group=None, device: str = "cpu") -> dict[str, int]:
+    """Counters of the odc backend serving ``group`` (default group) on ``device``."""
+    group = group or dist.group.WORLD
+    backend = group._get_backend(torch.device(device))
+    if not isinstance(backend, OdcBackend):
+        raise ValueError(f"the {device} backend of this group is {backend.name()}, not odc")
+    return dict(backend.stats())

@@ -236,9 +236,13 @@ void OdcBackend::settle_default_backend_type() {
   std::call_once(default_type_once_, [this] {
     try {
       auto pg = c10d::resolve_process_group(getGroupUid());
-      if (pg && pg->getBackendType() == c10d::ProcessGroup::BackendType::UNDEFINED) {
-        pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+      bool found = true;
+      try {
+        pg->getDefaultBackend();  // throws where the default type has no backend in the group
+      } catch (const c10::Error&) {
+        found = false;
       }
+      if (!found) pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
     } catch (const std::exception&) {
       // not a registered group (e.g. a backend made by hand): nothing to settle
     }

@@ -241,11 +241,12 @@ class OdcBackend final : public c10d::Backend {
   template <typename F>
   void arena_call(F&& body);
   void check_usable();
-  // Once, at the group's first use: a process group whose backend string names odc beside
-  // another backend ("cpu:gloo,cuda:odc") is left without a default backend type by
-  // init_process_group (it compares the plugin registry's upper-case name with the backend
-  // string's lower-case one), and destroy_process_group then warns "No backend of type 0
-  // found ...". Set the type PyTorch meant to set (CUSTOM: this backend).
+  // Once, at the group's first use: init_process_group leaves some groups with odc without
+  // a default backend type that has a backend in the group: "cpu:gloo,cuda:odc" gets none
+  // (it compares the plugin registry's upper-case name with the backend string's lower-case
+  // one), a default group whose default map names odc gets GLOO or NCCL (it assumes those),
+  // and destroy_process_group then warns "No backend of type N found ...". Set the type
+  // PyTorch meant to set for a custom backend (CUSTOM: this one).
   void settle_default_backend_type();
   std::once_flag default_type_once_;
 

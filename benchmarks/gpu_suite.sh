@@ -13,8 +13,13 @@
 #   build    MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e .  (the README's
 #            install; fetches nothing: the GPU machines have no package registry, and their python
 #            has torch, setuptools, wheel, pybind11 and ninja), then import torch_odc_backend
-#   tests    pytest tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py on 2 GPUs, then on 4
-#            (there only the tests that use every GPU: the others ran on 2)
+#   tests    the GPU tests (tests/test_gpu_*.py, tests/integrations/test_zero_code_change.py) on 2
+#            GPUs, then on 4 (there only the tests that use every GPU); on a one-GPU machine once,
+#            with the tests' ranks sharing the GPU (TEST_MAX_S, TEST_ARGS: extra pytest arguments)
+#   device_id  the GPU suites again with ODC_TEST_DEVICE_ID=1 (init_process_group(device_id=...))
+#   check_cost benchmarks/collectives.py --reference odc-nocheck on 2 ranks (the descriptor
+#            check's cost; on one GPU its ranks share it, so timings include the GPU's time-slicing)
+#   import_time  benchmarks/import_time.py (what the torch.backends entry point adds to import torch)
 #   bench    benchmarks/collectives.py under torchrun on 2 GPUs (0,1), then on 4
 #   train    benchmarks/train_imbalanced.py on all GPUs: a 2-layer smoke run, then the 1.5B
 #            long-tailed run and the balanced control (TRAIN_ARGS adds arguments to both),
@@ -119,18 +124,50 @@ stage_build() {
         $PY -c 'import torch, torch_odc_backend; print("torch_odc_backend imported from", torch_odc_backend.__file__)'
 }
 
+GPU_TESTS=(tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py tests/test_gpu_decoupled.py
+           tests/test_gpu_callers.py tests/integrations/test_zero_code_change.py)
+
 stage_tests() {
     local n
+    if [ "$NGPU" -eq 1 ] && [ -z "${TEST_GPUS:-}" ]; then
+        # one GPU: the tests run their ranks on it (odc runs so; NCCL does not, so the tests
+        # compare with references instead), the whole suite, then again with device_id passed
+        run_step tests_1gpu_shared "${TEST_MAX_S:-420}" "$OUT/gpu_tests_1gpu_shared.log" \
+            $PY -m pytest -q -rA "${GPU_TESTS[@]}" ${TEST_ARGS:-}
+        cp -f "$OUT/gpu_tests_1gpu_shared.log" "$OUT/tests/results/gpu_tests_$(kind_for 1)-shared_${DATE}.log"
+        return
+    fi
     for n in ${TEST_GPUS:-2 4}; do
         if [ "$NGPU" -lt "$n" ]; then skip_step "tests_${n}gpu" "only $NGPU GPUs"; continue; fi
         local log="$OUT/gpu_tests_${n}gpu.log" sel=()
-        [ "$n" -gt 2 ] && sel=(-k "test_matches_nccl[$n or fsdp2 or decoupled")
+        [ "$n" -gt 2 ] && sel=(-k "test_matches_reference_and_nccl[$n or fsdp2 or decoupled")
         run_step "tests_${n}gpu" 220 "$log" \
             env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" \
-            $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py \
-            tests/test_gpu_decoupled.py "${sel[@]}"
+            $PY -m pytest -q -rA "${GPU_TESTS[@]}" "${sel[@]}"
         cp -f "$log" "$OUT/tests/results/gpu_tests_$(kind_for "$n")_${DATE}.log"
     done
+}
+
+stage_device_id() {  # the GPU suite again, every worker passing device_id to init_process_group
+    local n=${TEST_GPUS:-$NGPU}
+    run_step device_id "${TEST_MAX_S:-420}" "$OUT/gpu_tests_device_id.log" \
+        env ODC_TEST_DEVICE_ID=1 CUDA_VISIBLE_DEVICES="$(gpu_list "$NGPU")" \
+        $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py tests/test_gpu_decoupled.py \
+        ${TEST_ARGS:-}
+    cp -f "$OUT/gpu_tests_device_id.log" \
+        "$OUT/tests/results/gpu_tests_$(kind_for "$NGPU")$([ "$NGPU" -eq 1 ] && echo -shared)-device-id_${DATE}.log"
+}
+
+stage_check_cost() {  # the cross-rank descriptor check's cost: odc vs odc with ODC_MATCH_CHECK=0
+    local n=2
+    run_step check_cost 200 "$OUT/check_cost.log" \
+        torchrun --standalone --nproc-per-node="$n" benchmarks/collectives.py --reference odc-nocheck \
+            --kind "$(kind_for "$NGPU")-${n}ranks" --out-dir "$OUT/benchmarks/results" --no-gemm ${CHECK_ARGS:-}
+}
+
+stage_import_time() {
+    run_step import_time 200 "$OUT/import_time.log" \
+        $PY benchmarks/import_time.py --kind "$(kind_for 1)" --out-dir "$OUT/benchmarks/results" --trials 15
 }
 
 stage_bench() {
@@ -197,7 +234,7 @@ stage_nvshmem() {
     for n in ${TEST_GPUS:-2 4}; do
         if [ "$NGPU" -lt "$n" ]; then skip_step "nvshmem_suite_${n}gpu" "only $NGPU GPUs"; continue; fi
         sel=()
-        [ "$n" -gt 2 ] && sel=(-k "test_matches_nccl[$n or fsdp2 or decoupled")
+        [ "$n" -gt 2 ] && sel=(-k "test_matches_reference_and_nccl[$n or fsdp2 or decoupled")
         run_step "nvshmem_suite_forced_${n}gpu" 240 "$OUT/nvshmem_suite_forced_${n}gpu.log" \
             env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" ODC_TEST_NVSHMEM=1 ODC_TRANSPORT=nvshmem \
             $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py \
@@ -227,8 +264,8 @@ stage_nvshmem() {
 
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        build|tests|bench|example|train|nvshmem) "stage_$stage" ;;
-        *) echo "unknown stage '$stage' (choose from: build tests bench example train nvshmem)"; skip_step "$stage" unknown; FAILED=1 ;;
+        build|tests|device_id|check_cost|import_time|bench|example|train|nvshmem) "stage_$stage" ;;
+        *) echo "unknown stage '$stage' (choose from: build tests device_id check_cost import_time bench example train nvshmem)"; skip_step "$stage" unknown; FAILED=1 ;;
     esac
 done
 

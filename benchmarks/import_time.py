@@ -18,7 +18,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,7 +34,6 @@ t1 = time.perf_counter()
 print((t1 - t0) * 1e3, "ODC" in torch.distributed.Backend._plugins)
 """
 WHOLE = """
-import time
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()

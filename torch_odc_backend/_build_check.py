@@ -54,7 +54,7 @@ def mismatch(built: dict, torch_version: str, torch_cuda: str | None) -> str | N
 def load_failure_message(err: ImportError, built: dict | None, torch_version: str) -> str:
     """The message for an ImportError raised by loading _C."""
     if isinstance(err, ModuleNotFoundError) and err.name and err.name.endswith("._C"):
-        return (f"torch_odc_backend._C is not built (a source checkout without a build?). "
+        return ("torch_odc_backend._C is not built (a source checkout without a build?). "
                 f"Build it in the environment that has the torch you run, from the source "
                 f"checkout: `pip install --no-build-isolation --no-deps -e .`.")
     if built is None:

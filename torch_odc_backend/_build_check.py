@@ -55,8 +55,8 @@ def load_failure_message(err: ImportError, built: dict | None, torch_version: st
     """The message for an ImportError raised by loading _C."""
     if isinstance(err, ModuleNotFoundError) and err.name and err.name.endswith("._C"):
         return ("torch_odc_backend._C is not built (a source checkout without a build?). "
-                f"Build it in the environment that has the torch you run, from the source "
-                f"checkout: `pip install --no-build-isolation --no-deps -e .`.")
+                "Build it in the environment that has the torch you run, from the source "
+                "checkout: `pip install --no-build-isolation --no-deps -e .`.")
     if built is None:
         was = "no record of the torch it was built against (built before such records were kept)"
     else:

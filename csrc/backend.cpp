@@ -233,19 +233,26 @@ void OdcBackend::shutdown() { release_inners(false); }
 void OdcBackend::abort() { release_inners(true); }
 
 void OdcBackend::settle_default_backend_type() {
+  // Only getters that cannot fail: a failing TORCH_CHECK in a torch header compiled into
+  // this library formats its message with this library's iostreams (Limitations: crashes).
   std::call_once(default_type_once_, [this] {
+    using Type = c10d::ProcessGroup::BackendType;
+    c10::intrusive_ptr<c10d::ProcessGroup> pg;
     try {
-      auto pg = c10d::resolve_process_group(getGroupUid());
-      bool found = true;
-      try {
-        pg->getDefaultBackend();  // throws where the default type has no backend in the group
-      } catch (const c10::Error&) {
-        found = false;
-      }
-      if (!found) pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+      pg = c10d::resolve_process_group(getGroupUid());
     } catch (const std::exception&) {
-      // not a registered group (e.g. a backend made by hand): nothing to settle
+      return;  // not a registered group (e.g. a backend made by hand): nothing to settle
     }
+    const Type type = pg->getBackendType();
+    if (type == Type::CUSTOM) return;
+    bool present = false;  // does some device type of the group use the default type's backend?
+    if (type == Type::GLOO || type == Type::NCCL) {
+      const std::string name = type == Type::GLOO ? "gloo" : "nccl";
+      for (const c10::Device& d : pg->getDeviceTypes()) {
+        present = present || pg->getBackend(d.type())->getBackendName() == name;
+      }
+    }
+    if (!present) pg->setDefaultBackend(Type::CUSTOM);
   });
 }
 

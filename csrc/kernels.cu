@@ -154,8 +154,13 @@ __device__ __forceinline__ A combine(A a, A b) {
 // parallelism instead of occupancy: the kernel shares the GPU with compute).
 constexpr int kUnroll = 4;
 
+constexpr int kReduceThreads = 512;
+
+// Bounded registers: the 1-byte types keep kUnroll x 16 int64 accumulators per thread, which
+// without the bound asked for more registers than 512 threads have ("too many resources
+// requested for launch" on H100); the compiler spills there instead.
 template <typename T, Combine C>
-__global__ void reduce_kernel(ReduceOpArgs a) {
+__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceOpArgs a) {
   using A = typename AccOf<T>::type;
   const A scale = a.scale_ptr ? static_cast<A>(*a.scale_ptr) : static_cast<A>(a.scale);
   const bool scaled = C == Combine::Sum && (a.scale_ptr != nullptr || a.scale != 1.0);
@@ -450,7 +455,7 @@ cudaError_t preload_kernels() {
 
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine, int blocks,
                           cudaStream_t stream) {
-  constexpr int kThreads = 512;
+  constexpr int kThreads = kReduceThreads;
   const size_t per_block = static_cast<size_t>(kThreads) * 8 * kUnroll;
   const int needed = static_cast<int>((args.numel + per_block - 1) / per_block);
   const int grid = needed < blocks ? (needed > 0 ? needed : 1) : blocks;

@@ -161,8 +161,6 @@ def _device_errors_worker(rank, world):
     e = torch.empty
     cuda_only, cpu_only = dist.new_group(backend="cuda:odc"), dist.new_group(backend="cpu:odc")
     other = torch.device("cuda", (dev.index + 1) % torch.cuda.device_count())
-    if other == dev:  # one GPU: a device this process does not use, e.g. a CPU tensor's
-        other = torch.device("cpu")
     cases = [
         ("AG input on CPU", lambda a: dist.all_gather_into_tensor(e(world * n, device=dev), e(n), async_op=a)),
         ("AG output on CPU", lambda a: dist.all_gather_into_tensor(e(world * n), e(n, device=dev), async_op=a)),
@@ -171,9 +169,11 @@ def _device_errors_worker(rank, world):
          lambda a: dist.all_gather_into_tensor(e(world * n), e(n), group=cuda_only, async_op=a)),
         ("CUDA tensors into a cpu-only odc group",
          lambda a: dist.all_gather_into_tensor(e(world * n, device=dev), e(n, device=dev), group=cpu_only, async_op=a)),
-        ("tensors on another rank's GPU",
-         lambda a: dist.all_gather_into_tensor(e(world * n, device=other), e(n, device=other), async_op=a)),
     ]
+    if other != dev:  # needs a second GPU
+        cases.append(("tensors on another rank's GPU",
+                      lambda a: dist.all_gather_into_tensor(e(world * n, device=other), e(n, device=other),
+                                                            async_op=a)))
     c = ag_case(0, 100, torch.float32, rank, world, device=dev)  # set up the cuda channel first
     dist.all_gather_into_tensor(c["out"], c["inp"])
     errors += check_case(c, "AG before errors")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fsdp_models as fm
-from dist_utils import GPU_ENV, NVSHMEM_SUITE, run_distributed
+from dist_utils import GPU_ENV, NVSHMEM_SUITE, run_distributed, run_once
 from test_decoupled import TOL, assert_grads_match, run_configs
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
@@ -27,19 +27,20 @@ if NVSHMEM_SUITE:  # peers over NVSHMEM: the owner-side put-accumulate is refuse
         cfg["accumulate"] = "local"
 
 
-def _worker(rank, world):
+def _worker(rank, world, name):
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    return fm.to_wire(run_configs(CONFIGS, "cuda")[0])
+    return fm.to_wire(run_configs({name: CONFIGS[name]}, "cuda")[0])
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_distributed(_worker, N, backend="cpu:gloo,cuda:odc", env=GPU_ENV, deadline_s=400)
+# one job per configuration: a failure in one cannot leave another's group broken
+run = run_once(lambda name: run_distributed(_worker, N, name, backend="cpu:gloo,cuda:odc", env=GPU_ENV,
+                                            deadline_s=400))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_gpu_decoupled_equals_exact(results, name):
+def test_gpu_decoupled_equals_exact(name):
+    results = run(name)
+    errors = [f"rank {r}:\n{results[r][name]['error']}" for r in sorted(results) if "error" in results[r][name]]
+    assert not errors, "\n".join(errors)
     for rank in sorted(results):
-        cfg = results[rank][name]
-        assert "error" not in cfg, f"rank {rank}:\n{cfg.get('error')}"
-        assert_grads_match(cfg, TOL[CONFIGS[name].get("bf16", False)], rank)
+        assert_grads_match(results[rank][name], TOL[CONFIGS[name].get("bf16", False)], rank)

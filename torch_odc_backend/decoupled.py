@@ -399,9 +399,12 @@ class DecoupledState:
                 val = acc[off:off + local.numel()].view(local.shape).to(device=local.device,
                                                                         dtype=p.dtype)
                 off += padded
-                if p.grad is None:
+                if p.grad is None and local.device.type == p.device_mesh.device_type:
                     p.grad = DTensor.from_local(val, p.device_mesh, p.placements,
                                                 shape=p.shape, stride=p.stride())
+                elif p.grad is None:  # CPU offload: from_local would move val to the mesh's device
+                    p.grad = torch.empty_like(p)
+                    p.grad.to_local().copy_(val)
                 else:
                     p.grad.to_local().add_(val)
             del acc  # freed before the next group's is allocated

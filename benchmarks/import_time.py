@@ -34,6 +34,7 @@ t1 = time.perf_counter()
 print((t1 - t0) * 1e3, "ODC" in torch.distributed.Backend._plugins)
 """
 WHOLE = """
+import time
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()

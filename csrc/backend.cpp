@@ -872,6 +872,12 @@ int64_t OdcBackend::arena_size(int64_t arena) {
   return bytes;
 }
 
+int64_t OdcBackend::claim(const std::string& key, int64_t amount) {
+  return store_->add("odc_claim/" + key, amount) - amount;
+}
+
+void OdcBackend::forget(const std::string& key) { store_->deleteKey("odc_claim/" + key); }
+
 std::map<std::string, uint64_t> OdcBackend::stats() const {
   std::lock_guard<std::mutex> lock(stats_mu_);
   return stats_;

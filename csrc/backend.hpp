@@ -155,6 +155,10 @@ class OdcBackend final : public c10d::Backend {
 
   // Counters for tests and monitoring: ops and bytes moved one-sidedly.
   std::map<std::string, uint64_t> stats() const;
+  // Dynamic work sharing (odc.balance): the value of the group-wide counter `key` before
+  // adding `amount` (an atomic fetch-add in the group's store); `forget` drops a counter.
+  int64_t claim(const std::string& key, int64_t amount);
+  void forget(const std::string& key);
   // Whether odc serves the collectives FSDP does not issue itself on `device` (ODC_SELF_SERVE).
   bool serves_itself(const c10::Device& device);
 

@@ -95,6 +95,11 @@ PYBIND11_MODULE(_C, m) {
            "This group's ranks in the default group.")
       .def("stats", &odc::OdcBackend::stats,
            "Counters of this group: one-sided ops and bytes, delegated ops.")
+      .def("claim", &odc::OdcBackend::claim, py::arg("key"), py::arg("amount") = 1,
+           py::call_guard<py::gil_scoped_release>(),
+           "The group-wide counter `key` before adding `amount` (atomic; odc.balance's work sharing).")
+      .def("forget", &odc::OdcBackend::forget, py::arg("key"),
+           py::call_guard<py::gil_scoped_release>(), "Drop the group-wide counter `key`.")
       .def("arena_create", &odc::OdcBackend::arena_create, py::arg("device"),
            py::arg("shard_numel"), py::arg("param_elem_size"), py::arg("grad_numel"),
            py::call_guard<py::gil_scoped_release>(),

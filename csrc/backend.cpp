@@ -873,6 +873,7 @@ int64_t OdcBackend::arena_size(int64_t arena) {
 }
 
 int64_t OdcBackend::claim(const std::string& key, int64_t amount) {
+  settle_default_backend_type();
   return store_->add("odc_claim/" + key, amount) - amount;
 }
 

@@ -15,6 +15,18 @@ documents, from the same initial weights:
 * ``exact_lbmicro``: the same on odc exact mode;
 * ``decoupled_lbmini``: ``odc.decouple``; ``balance.lb_mini`` balances each rank's total
   cost, counts may differ; one ``odc.sync`` per minibatch.
+* ``decoupled_dynamic``: ``odc.decouple`` with ``balance.DynamicBalancer``: each minibatch
+  starts from LB-Mini weighted by the ranks' measured speeds, and a rank whose GPU is
+  (nearly) free takes its next microbatch, or, its own queue empty, an item from the back of
+  another rank's (fetch-adds on the group's store); one ``odc.sync`` per minibatch.
+
+Workloads: long-tailed (default), ``--balanced`` (constant lengths, the control) and, with
+either, ``--straggler RANK:FACTOR``: rank RANK runs every microbatch FACTOR times as long.
+After each of its microbatches it waits (FACTOR - 1) times that microbatch's time: on a GPU a
+spinning kernel (``torch.cuda._sleep``, cycles calibrated against CUDA events at start-up)
+on the compute stream, for (FACTOR - 1) x the microbatch's calibrated time (the ``--cost
+fitted`` model), so the host never waits for the GPU; on CPU a sleep for (FACTOR - 1) x the
+measured time. Calibration runs before the slowdown starts.
 
 On GPUs the model is a Qwen2-style decoder built from a ``transformers`` ``Qwen2Config``
 (1.5B parameters, random weights; ``--layers`` shrinks it), bf16 compute with fp32 master
@@ -32,7 +44,11 @@ microbatch shapes before the runs and fits ``a + b * tokens + c * sum(length^2)`
 plans; ``--cost flops`` plans with FLOPs and fits ``t = a + s * flops`` to the decoupled run's
 microbatches (which wait on no peer). Then ``sum over minibatches of (sum over LB-Micro rounds
 of the slowest rank)``, an LB-Micro padding microbatch priced as the 8-token dummy it runs, is
-compared with ``sum over minibatches of the slowest rank's LB-Mini total``.
+compared with ``sum over minibatches of the slowest rank's LB-Mini total``. The
+perfect-balance bound of a minibatch is ``balance.balance_bound`` of the dynamic packing's
+fitted microbatch times and the ranks' slowdowns (``max(sum / sum of speeds, largest x the
+fastest rank's slowdown)``); ``fraction_of_balance_bound`` is the bound over the dynamic run's
+measured minibatch time (its steps minus the optimizer step, which follows odc.sync).
 """
 from __future__ import annotations
 
@@ -246,11 +262,13 @@ class Clock:
         return start.elapsed_time(mark) / 1e3 if self.cuda else mark - start
 
 
-def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, first_step=0):
+def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, first_step=0,
+                balancer=None, straggler=None, cost=None):
     """One optimizer step per minibatch. Returns this rank's step times, timelines (per
     step, a list of (what, start_s, end_s, tokens, doc lengths, doc indices) from the step's
-    start) and
-    its share of each minibatch's loss."""
+    start) and its share of each minibatch's loss. With a ``balancer`` (dynamic balancing)
+    the ranks take the minibatch's work as they become free (``cost`` plans it); otherwise a
+    plan is every rank's microbatches."""
     rank = dist.get_rank()
     clock = Clock(device)
     times, timelines, losses = [], [], []
@@ -263,13 +281,17 @@ def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, fir
         marks = []
         loss_sum = torch.zeros((), device=device)
         tokens = sum(lengths)  # the minibatch's global token count normalises the loss
-        for mb in plan[rank]:
+        mine = balancer.minibatch(lengths, args.max_tokens, cost) if balancer is not None else plan[rank]
+        for mb in mine:
+            h0 = time.perf_counter()
             docs_mb = [lengths[i] for i in mb] if mb else [8]
             weight = 1.0 if mb else 0.0  # LB-Micro padding: a zero-weight dummy joins the collectives
             x, y = microbatch(step, mb or [-1], docs_mb, args.vocab, device)
             m0 = clock.mark()
             loss = model(x, y, docs_mb) * (weight / tokens)
             loss.backward()
+            if straggler is not None:
+                straggler.after_microbatch(docs_mb, h0)
             loss_sum += loss.detach()
             marks.append(("micro" if mb else "dummy", m0, clock.mark(), sum(docs_mb) if mb else 0,
                           docs_mb if mb else [], list(mb)))
@@ -290,6 +312,54 @@ def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, fir
         timelines.append(line)
         losses.append(loss_sum.item())  # this rank's share of the minibatch's mean token loss
     return times, timelines, losses
+
+
+class Straggler:
+    """Slows one rank by a fixed factor (see the module docstring); a no-op on other ranks."""
+
+    def __init__(self, spec: str | None, rank: int, device: torch.device, cost):
+        self.factor = 1.0
+        self.rank = -1
+        if spec:
+            who, factor = spec.split(":")
+            self.rank, self.factor = int(who), float(factor)
+            if self.factor < 1.0:
+                raise ValueError(f"--straggler factor must be >= 1, got {self.factor}")
+        self.active = rank == self.rank and self.factor > 1.0
+        self.cuda = device.type == "cuda"
+        self.cost = cost
+        self.cycles_per_s = None
+        if self.active and self.cuda:
+            if not isinstance(cost, balance.FittedCost):
+                raise ValueError("--straggler on GPUs needs --cost fitted (seconds per microbatch)")
+            self.cycles_per_s = self._spin_rate()
+
+    @staticmethod
+    def _spin_rate() -> float:
+        torch.cuda._sleep(10_000_000)  # warm-up
+        rates = []
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(200_000_000)
+            b.record()
+            b.synchronize()
+            rates.append(200_000_000 / (a.elapsed_time(b) / 1e3))
+        return sorted(rates)[1]
+
+    def slowdowns(self, world: int) -> list[float]:
+        return [self.factor if r == self.rank else 1.0 for r in range(world)]
+
+    def after_microbatch(self, doc_lengths: list[int], started_s: float) -> None:
+        """Called right after a microbatch's backward was issued (``started_s``: host clock
+        when it began, used on CPU where the work is done by now)."""
+        if not self.active:
+            return
+        extra = self.factor - 1.0
+        if self.cuda:
+            torch.cuda._sleep(int(extra * self.cost(doc_lengths) * self.cycles_per_s))
+        else:
+            time.sleep(extra * (time.perf_counter() - started_s))
 
 
 # --------------------------------------------------------------------------- analysis
@@ -377,10 +447,11 @@ def calibrate(model, args, device, cpu_group) -> tuple[balance.FittedCost, list[
     return fit, [{"lengths": lengths, "seconds": t} for (lengths, _), t in zip(samples, mean)]
 
 
-def analyse(results, plans_by, docs, cost, world):
-    """Fitted per-microbatch time, ideal speedup and bubble rates (in place). plans_by:
-    the LB-Micro and LB-Mini plans ("lbmicro", "lbmini"), per minibatch."""
-    dec = results["decoupled_lbmini"]
+def analyse(results, plans_by, docs, cost, world, slowdowns):
+    """Fitted per-microbatch time, ideal speedup, bubble rates (in place) and the
+    perfect-balance bound. plans_by: the LB-Micro and LB-Mini plans ("lbmicro", "lbmini") and
+    the dynamic packing ("dynamic"), per minibatch; slowdowns: each rank's time factor."""
+    dec = results.get("decoupled_lbmini") or next(r for n, r in results.items() if n.startswith("decoupled"))
     samples = [(d, e - s) for rank_lines in dec["timelines"] for line in rank_lines
                for what, s, e, _, d, _ix in line if what == "micro"]
     if isinstance(cost, balance.FittedCost):  # calibrated before the runs: already seconds
@@ -399,10 +470,20 @@ def analyse(results, plans_by, docs, cost, world):
     decoupled_time = sum(balance.plan_stats(p, d, fitted)["decoupled_time"]
                          for p, d in zip(plans_by["lbmini"], docs))
     for name, res in results.items():  # busy: the fitted time of the real (non-padding) work
-        busy = sum(sum(balance.plan_stats(p, d, fitted)["per_rank_cost"])
-                   for p, d in zip(plans_by[name.rsplit("_", 1)[1]], docs))
+        busy = sum(fitted(d) * slowdowns[r] for r, rank_lines in enumerate(res["timelines"])
+                   for line in rank_lines for what, _s, _e, _n, d, _ix in line if what == "micro")
         res["bubble_rate"] = max(0.0, 1.0 - busy / (world * sum(res["step_times_s"])))
-    return fit, sync_time / decoupled_time
+    # perfect balance of the dynamic packing's microbatches: priced by the calibrated fit, and
+    # by their measured times in the dynamic run (a rank's time divided by its slowdown)
+    bound = {"fitted_s": sum(balance.balance_bound([fitted([d[i] for i in mb]) for mb in p], slowdowns)
+                             for p, d in zip(plans_by["dynamic"], docs))}
+    if "decoupled_dynamic" in results:
+        lines = results["decoupled_dynamic"]["timelines"]
+        bound["measured_s"] = sum(
+            balance.balance_bound([(e - s) / slowdowns[r] for r in range(world)
+                                   for what, s, e, *_ in lines[r][k] if what == "micro"], slowdowns)
+            for k in range(len(docs)))
+    return fit, sync_time / decoupled_time, bound
 
 
 # --------------------------------------------------------------------------- main
@@ -419,9 +500,11 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=None, help="token cap per microbatch")
     p.add_argument("--loss-chunk", type=int, default=8192, help="tokens per LM-head chunk (GPU model)")
     p.add_argument("--no-activation-checkpointing", action="store_true")
-    p.add_argument("--configs", default="reference_lbmicro,exact_lbmicro,decoupled_lbmini",
+    p.add_argument("--configs", default="reference_lbmicro,exact_lbmicro,decoupled_lbmini,decoupled_dynamic",
                    help="comma-separated, from reference_lbmicro, exact_lbmicro, decoupled_lbmini, "
-                        "decoupled_local_lbmini (odc.decouple(..., accumulate='local'))")
+                        "decoupled_dynamic, decoupled_local_lbmini (odc.decouple(..., accumulate='local'))")
+    p.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
+                   help="rank RANK runs every microbatch FACTOR times as long (e.g. 1:1.3)")
     p.add_argument("--cost", choices=("fitted", "flops"), default="fitted",
                    help="planning cost model: fitted to timed microbatches before the runs, or "
                         "TransformerCost FLOPs")
@@ -518,15 +601,19 @@ def main() -> int:
 
     # one plan per planner; a configuration's planner is its name's suffix
     plans_by = {"lbmicro": [balance.lb_micro(d, world, args.max_tokens, cost) for d in docs],
-                "lbmini": [balance.lb_mini(d, world, args.max_tokens, cost) for d in docs]}
+                "lbmini": [balance.lb_mini(d, world, args.max_tokens, cost) for d in docs],
+                # dynamic: planned in the run; this packing prices the perfect-balance bound
+                "dynamic": [balance.pack(d, args.max_tokens, cost) for d in docs]}
     plans = {name: plans_by[name.rsplit("_", 1)[1]] for name in names}
     if rank == 0:
         n_tokens = sum(map(sum, docs))
+        straggling = f"; rank {args.straggler.replace(':', ' runs x')}" if args.straggler else ""
         print(f"[train_imbalanced] {model_kind} ({shape['num_hidden_layers']} layers) on {world} x "
               f"{torch.cuda.get_device_name(device) if use_cuda else 'cpu'}; {args.steps} minibatches "
               f"of {args.docs_per_step} {'balanced' if args.balanced else 'long-tailed'} documents "
-              f"({n_tokens / args.steps:.0f} tokens each), <= {args.max_tokens} tokens per microbatch",
-              flush=True)
+              f"({n_tokens / args.steps:.0f} tokens each), <= {args.max_tokens} tokens per microbatch"
+              f"{straggling}", flush=True)
+    straggler = Straggler(args.straggler, rank, device, cost)
 
     results = {}
     for name in names:
@@ -544,12 +631,14 @@ def main() -> int:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if decoupled:
             odc.decouple(model, opt, accumulate="local" if "_local" in name else "owner")
+        balancer = balance.DynamicBalancer(name=name) if name.endswith("_dynamic") else None
         plan = plans[name]
-        train_steps(model, opt, plan[:1], docs[:1], args, decoupled, device, cpu_group)  # warm-up
+        run = dict(balancer=balancer, straggler=straggler, cost=cost)
+        train_steps(model, opt, plan[:1], docs[:1], args, decoupled, device, cpu_group, **run)  # warm-up
         before = odc.metrics(model) if decoupled else None
         with profiled(args.profile and use_cuda) as prof:
             times, timelines, losses = train_steps(model, opt, plan[1:], docs[1:], args, decoupled,
-                                                   device, cpu_group, first_step=1)
+                                                   device, cpu_group, first_step=1, **run)
         res = {"local_step_times_s": times, "local_losses": losses}
         if prof is not None:
             res["kernels"] = kernel_summary(prof)
@@ -573,7 +662,11 @@ def main() -> int:
         merged = {"step_times_s": [max(r["local_step_times_s"][k] for r in per_rank) for k in range(len(times))],
                   "loss_per_step": [sum(r["local_losses"][k] for r in per_rank) for k in range(len(times))],
                   "per_rank": per_rank, "timelines": lines,
-                  "per_rank_microbatches": [[len(rp) for rp in pl] for pl in plan[1:]]}
+                  "per_rank_microbatches": [[sum(1 for e in lines[r][k] if e[0] in ("micro", "dummy"))
+                                             for r in range(world)] for k in range(len(times))]}
+        # the minibatch's time: every rank done with odc.sync (the optimizer step follows)
+        merged["minibatch_times_s"] = [max(next(e[2] for e in lines[r][k] if e[0] == "sync")
+                                           for r in range(world)) for k in range(len(times))]
         merged["mean_step_s"] = sum(merged["step_times_s"]) / len(times)
         merged["tokens_per_s"] = sum(sum(d) for d in docs[1:]) / sum(merged["step_times_s"])
         if use_cuda:
@@ -594,16 +687,32 @@ def main() -> int:
 
     summary = {}
     timed_docs = docs[1:]
-    if "decoupled_lbmini" in results and "exact_lbmicro" in results:
+    if any(n.startswith("decoupled") for n in results) and (
+            "exact_lbmicro" in results or "reference_lbmicro" in results):
         timed_plans = {n: pl[1:] for n, pl in plans_by.items()}
-        fit, ideal = analyse(results, timed_plans, timed_docs, cost, world)
-        summary.update(microbatch_time_fit=fit, ideal_speedup=ideal)
-        base = results.get("reference_lbmicro", results["exact_lbmicro"])
+        fit, ideal, bound = analyse(results, timed_plans, timed_docs, cost, world, straggler.slowdowns(world))
+        summary.update(microbatch_time_fit=fit, ideal_speedup=ideal, straggler=args.straggler,
+                       slowdowns=straggler.slowdowns(world), balance_bound=bound)
+        base = results.get("reference_lbmicro", results.get("exact_lbmicro"))
         for name, res in results.items():
             summary[f"speedup_{name}_vs_{'reference' if 'reference_lbmicro' in results else 'exact'}_lbmicro"] = \
                 res["tokens_per_s"] / base["tokens_per_s"]
+        if "decoupled_dynamic" in results:  # the dynamic-balancing targets' fields
+            dyn = results["decoupled_dynamic"]
+            summary["speedup_dynamic_vs_nccl_lbmicro"] = (
+                dyn["tokens_per_s"] / results["reference_lbmicro"]["tokens_per_s"]
+                if "reference_lbmicro" in results else None)
+            summary["speedup_dynamic_vs_static_lbmini"] = (
+                dyn["tokens_per_s"] / results["decoupled_lbmini"]["tokens_per_s"]
+                if "decoupled_lbmini" in results else None)
+            # the bound is compute only: compare with the time to the end of odc.sync; the
+            # measured microbatch times price it (the fit's error would move it)
+            summary["fraction_of_balance_bound"] = bound["measured_s"] / sum(dyn["minibatch_times_s"])
+            summary["fraction_of_balance_bound_fitted"] = bound["fitted_s"] / sum(dyn["minibatch_times_s"])
+            for name, res in results.items():
+                res["fraction_of_balance_bound"] = bound["measured_s"] / sum(res["minibatch_times_s"])
         for name in (n for n in results if n.startswith("decoupled")):
-            tag = name[:-len("_lbmini")]  # decoupled, decoupled_local
+            tag = name[:-len("_lbmini")] if name.endswith("_lbmini") else name  # decoupled, decoupled_local, decoupled_dynamic
             sp = results[name]["tokens_per_s"] / base["tokens_per_s"]
             summary[f"{tag}_speedup_over_ideal"] = sp / ideal
             summary[f"{tag}_fraction_of_ideal_gain"] = (sp - 1) / (ideal - 1) if ideal > 1 + 1e-9 else None
@@ -618,7 +727,8 @@ def main() -> int:
         print("[train_imbalanced] bubble rate: "
               + ", ".join(f"{n} {100 * b:.1f}%" for n, b in summary.get("bubble_rate", {}).items()), flush=True)
         kind = _meta.machine_kind(device, world)
-        out = _meta.result_path(args.out_dir, "train_imbalanced", kind, "_balanced" if args.balanced else "")
+        suffix = ("_balanced" if args.balanced else "") + ("_straggler" if args.straggler else "")
+        out = _meta.result_path(args.out_dir, "train_imbalanced", kind, suffix)
         out.write_text(json.dumps({
             "benchmark": "train_imbalanced", "kind": kind, "world_size": world, "model": model_kind,
             "model_shape": shape, "parameters": n_params, "device": str(device.type),

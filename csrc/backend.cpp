@@ -879,6 +879,15 @@ int64_t OdcBackend::claim(const std::string& key, int64_t amount) {
 
 void OdcBackend::forget(const std::string& key) { store_->deleteKey("odc_claim/" + key); }
 
+void OdcBackend::publish(const std::string& key, const std::string& value) {
+  store_->set("odc_claim/" + key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::string OdcBackend::lookup(const std::string& key) {
+  const std::vector<uint8_t> v = store_->get("odc_claim/" + key);  // waits up to the timeout
+  return std::string(v.begin(), v.end());
+}
+
 std::map<std::string, uint64_t> OdcBackend::stats() const {
   std::lock_guard<std::mutex> lock(stats_mu_);
   return stats_;

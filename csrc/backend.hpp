@@ -159,6 +159,10 @@ class OdcBackend final : public c10d::Backend {
   // adding `amount` (an atomic fetch-add in the group's store); `forget` drops a counter.
   int64_t claim(const std::string& key, int64_t amount);
   void forget(const std::string& key);
+  // Small values shared by the group (odc.balance: the ranks' measured speeds); lookup waits
+  // for the key up to the group's timeout.
+  void publish(const std::string& key, const std::string& value);
+  std::string lookup(const std::string& key);
   // Whether odc serves the collectives FSDP does not issue itself on `device` (ODC_SELF_SERVE).
   bool serves_itself(const c10::Device& device);
 

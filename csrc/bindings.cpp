@@ -100,6 +100,11 @@ PYBIND11_MODULE(_C, m) {
            "The group-wide counter `key` before adding `amount` (atomic; odc.balance's work sharing).")
       .def("forget", &odc::OdcBackend::forget, py::arg("key"),
            py::call_guard<py::gil_scoped_release>(), "Drop the group-wide counter `key`.")
+      .def("publish", &odc::OdcBackend::publish, py::arg("key"), py::arg("value"),
+           py::call_guard<py::gil_scoped_release>(), "Set the group-wide value `key` (a string).")
+      .def("lookup", &odc::OdcBackend::lookup, py::arg("key"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The group-wide value `key`, waiting for it up to the group's timeout.")
       .def("arena_create", &odc::OdcBackend::arena_create, py::arg("device"),
            py::arg("shard_numel"), py::arg("param_elem_size"), py::arg("grad_numel"),
            py::call_guard<py::gil_scoped_release>(),

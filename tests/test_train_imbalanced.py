@@ -18,22 +18,22 @@ def result(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(REPO / "benchmarks" / "train_imbalanced.py"), "--steps", "3", "--docs-per-step", "6",
-         "--layers", "2", "--out-dir", str(out)],
+         "--layers", "2", "--straggler", "1:1.2", "--out-dir", str(out)],
         cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", ODC_BENCH_KIND="test"),
         capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{log[-4000:]}"
-    (path,) = out.glob("train_imbalanced_test_*.json")
+    (path,) = out.glob("train_imbalanced_test_straggler_*.json")
     return path, json.loads(path.read_text())
 
 
 def test_every_configuration_trains_the_same_model(result):
     _, data = result
     res = data["results"]
-    assert set(res) == {"reference_lbmicro", "exact_lbmicro", "decoupled_lbmini"}
+    assert set(res) == {"reference_lbmicro", "exact_lbmicro", "decoupled_lbmini", "decoupled_dynamic"}
     ref = res["reference_lbmicro"]["loss_per_step"]
     assert len(ref) == 2 and all(v > 0 for v in ref)
-    for name in ("exact_lbmicro", "decoupled_lbmini"):
+    for name in ("exact_lbmicro", "decoupled_lbmini", "decoupled_dynamic"):
         # same documents, same tokens, same initial weights, equal gradients: same losses
         assert res[name]["loss_per_step"] == pytest.approx(ref, rel=1e-5), name
     # every configuration trained every document of a minibatch exactly once, with its length
@@ -50,6 +50,10 @@ def test_report_fields(result):
     s = data["summary"]
     assert s["ideal_speedup"] >= 1.0
     assert "decoupled_speedup_over_ideal" in s and "microbatch_time_fit" in s
+    for key in ("speedup_dynamic_vs_nccl_lbmicro", "speedup_dynamic_vs_static_lbmini", "fraction_of_balance_bound"):
+        assert s[key] > 0, key
+    # the bound is a lower bound of the dynamic run's own measured microbatches
+    assert s["balance_bound"]["measured_s"] <= sum(data["results"]["decoupled_dynamic"]["minibatch_times_s"])
     # the calibration timed its seven shapes (the mean over ranks) and fitted them
     assert [c["lengths"] for c in data["calibration"]][:2] == [[768], [384]]
     assert all(c["seconds"] > 0 for c in data["calibration"])

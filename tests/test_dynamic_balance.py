@@ -1,0 +1,249 @@
+"""Dynamic balancing (odc.balance.DynamicBalancer / DynamicBatchSampler) on CPU ("cpu:odc").
+
+Ranks claim microbatches from one group-wide counter as they become free. Checked here:
+every microbatch of every minibatch is trained exactly once over the ranks (no duplicates,
+none lost) with random per-rank delays, over many rounds (counters of old rounds are
+deleted) and with two balancers interleaved; a slow rank claims less; decoupled mode fed
+by the claims ends each minibatch with the gradients of exact mode over the whole minibatch;
+misuse raises clear errors. One spawned job per world size (spawning is slow on CI)."""
+from __future__ import annotations
+
+import random
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fsdp_models as fm
+from dist_utils import run_distributed, run_once
+from torch_odc_backend import balance
+
+ROUNDS = 12
+# microbatch counts per round: more than, equal to and fewer than the ranks, one, none
+COUNTS = [9, 3, 1, 0, 2, 17, 5, 4, 3, 8, 1, 6]
+STEPS = 3
+LOSS_SCALE = 0.25
+COST = balance.FittedCost(2.0, 1.0, 0.0)
+
+
+def _exactly_once(rank, world):
+    """Two balancers used alternately; rank 0 sleeps 3x longer per unit of cost."""
+    rng = random.Random(100 + rank)
+    first, second = balance.DynamicBalancer(), balance.DynamicBalancer(adapt=False)
+    names = (first.name, second.name)
+    taken = {0: [], 1: []}
+    for r in range(ROUNDS):
+        for which, b in enumerate((first, second)):
+            n = COUNTS[(r + which) % len(COUNTS)]
+            lengths = [random.Random(1000 * r + j).randint(1, 30) for j in range(n)]
+            got = []
+            for mb in b.minibatch(lengths, max_tokens=40, cost=COST):
+                time.sleep(0.0002 * COST([lengths[i] for i in mb]) * (3 if rank == 0 else 1)
+                           * rng.uniform(0.8, 1.2))
+                got.append(mb)
+            taken[which].append(got)
+        dist.barrier()  # the one synchronisation per round (odc.sync in decoupled mode)
+    return {"taken": taken, "names": names, "slowdowns": [h["slowdowns"] for h in first.history]}
+
+
+def _sampler_worker(rank, world):
+    """DynamicBatchSampler over a dataset of lengths, loaded through a DataLoader per minibatch."""
+    rng = random.Random(7)
+    lengths = [rng.randint(1, 40) for _ in range(45)]
+    cost = balance.FittedCost(1.0, 0.1, 0.01)
+    sampler = balance.DynamicBatchSampler(lengths, max_tokens=64, minibatch_size=10, cost=cost, seed=3)
+    static = balance.BalancedBatchSampler(lengths, world, rank, max_tokens=64, minibatch_size=10,
+                                          cost=cost, seed=3)
+    out = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        static.set_epoch(epoch)
+        for index, claims in enumerate(sampler):
+            mine = []
+            loader = torch.utils.data.DataLoader(
+                balance.MicrobatchDataset(list(range(len(lengths))), collate_fn=lambda xs: list(xs)),
+                sampler=claims, batch_size=None)
+            for micro in loader:
+                time.sleep(0.002 * (1 + rank))
+                mine.append(micro)
+            assert claims.num_tokens == sum(lengths[i] for i in static.minibatch_indices(index))
+            out.append({"mine": mine, "minibatch": static.minibatch_indices(index), "plan": claims.plan})
+            dist.barrier()
+    return out
+
+
+def _train(mesh, *, dynamic: bool, seed_delays: int):
+    """Exact mode: every rank runs microbatches rank, rank + dp, ... of the step's 3 * dp.
+    Dynamic: decoupled mode, ranks claim the step's microbatches (random delays)."""
+    import torch_odc_backend as odc
+
+    model, opt = fm.build(mesh, seed=3)
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    if dynamic:
+        odc.decouple(model, opt)
+        balancer = balance.DynamicBalancer()
+    rng = random.Random(seed_delays + rank)
+    grads, claimed = [], []
+    for step in range(STEPS):
+        ids = [[m] for m in range(3 * dp)]
+        # a token cap of 1: every sample is a microbatch of its own
+        mine = balancer.minibatch([1] * (3 * dp), max_tokens=1, cost=COST) if dynamic else ids[rank::dp]
+        got = []
+        for (mb,) in mine:
+            if dynamic:
+                time.sleep(rng.uniform(0, 0.03))
+            x, y = fm.batch(seed=7, dp_rank=mb, step=step)
+            (F.cross_entropy(model(x).float(), y.reshape(-1)) * LOSS_SCALE).backward()
+            got.append(mb)
+        if dynamic:
+            odc.sync(model)
+        claimed.append(got)
+        grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return {"grads": grads, "params": fm.full_params(model), "claimed": claimed}
+
+
+def _train_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    return fm.to_wire({"exact": _train(mesh, dynamic=False, seed_delays=0),
+                       "dynamic": _train(mesh, dynamic=True, seed_delays=11)})
+
+
+def _misuse_worker(rank, world):
+    out = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            out[name] = f"{type(e).__name__}: {e}"
+
+    gloo = dist.new_group(backend="gloo")
+    expect("gloo_group", lambda: balance.DynamicBalancer(gloo))
+    expect("ahead", lambda: balance.DynamicBalancer(ahead=-1))
+    expect("name", lambda: balance.DynamicBalancer(name="a/b"))
+    b = balance.DynamicBalancer(name="once")
+    expect("lengths", lambda: b.minibatch([1, 2], max_tokens=4, cost=COST, indices=[0]))
+    claims = b.minibatch([1, 1], max_tokens=1, cost=COST)
+    first = list(claims)
+    out["second_pass"] = list(claims)  # an exhausted round yields nothing more
+    out["first_pass_len"] = len(first)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def run():
+    def job(world):
+        try:
+            return {"once": run_distributed(_exactly_once, world, backend="cpu:odc", deadline_s=200),
+                    "sampler": run_distributed(_sampler_worker, world, backend="cpu:odc", deadline_s=200),
+                    "train": run_distributed(_train_worker, world, backend="cpu:odc", deadline_s=200)}
+        except AssertionError:
+            return {"error": traceback.format_exc()}
+    return run_once(job)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_microbatch_is_claimed_exactly_once(run, world):
+    res = run(world)
+    assert "error" not in res, res.get("error")
+    once = res["once"]
+    assert len({tuple(once[r]["names"]) for r in once}) == 1, "balancers named differently on ranks"
+    for which in (0, 1):
+        for r in range(ROUNDS):
+            n = COUNTS[(r + which) % len(COUNTS)]
+            got = sorted(i for rank in once for mb in once[rank]["taken"][which][r] for i in mb)
+            assert got == list(range(n)), (which, r, got)
+    # the rank that is 3x slower takes clearly less over all rounds
+    work = {rank: sum(len(mb) for w in (0, 1) for t in once[rank]["taken"][w] for mb in t) for rank in once}
+    assert work[0] < min(work[r] for r in work if r != 0), work
+    # the adaptive balancer learned it: from round 2 on its plans see rank 0 as slower
+    slow = once[0]["slowdowns"]
+    assert slow[0] == slow[1] == [1.0] * world
+    assert all(s == slow[2] for rank in once for s in [once[rank]["slowdowns"][2]]), "plans differ across ranks"
+    assert min(s[0] for s in slow[3:]) > 1.5 and max(max(s[1:]) for s in slow[3:]) < 1.3, slow
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sampler_claims_cover_each_minibatch(run, world):
+    res = run(world)
+    assert "error" not in res, res.get("error")
+    sampler = res["sampler"]
+    for k, ref in enumerate(sampler[0]):
+        claimed = [x for rank in sampler for mb in sampler[rank][k]["mine"] for x in mb]
+        assert sorted(claimed) == sorted(ref["minibatch"]), f"minibatch {k}"
+        assert all(sampler[rank][k]["plan"] == ref["plan"] for rank in sampler), "plans differ"
+        assert sorted(i for p in ref["plan"] for mb in p for i in mb) == sorted(ref["minibatch"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dynamic_decoupled_gradients_equal_exact_mode(run, world):
+    res = run(world)
+    assert "error" not in res, res.get("error")
+    train = res["train"]
+    for step in range(STEPS):
+        got = sorted(m for rank in train for m in train[rank]["dynamic"]["claimed"][step])
+        assert got == list(range(3 * world))
+    for rank in train:
+        exact, dyn = train[rank]["exact"], train[rank]["dynamic"]
+        for step in range(STEPS):
+            for name, ref in exact["grads"][step].items():
+                torch.testing.assert_close(torch.as_tensor(dyn["grads"][step][name]), torch.as_tensor(ref),
+                                           rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"rank {rank} step {step} grad {name}: {m}")
+        for name, ref in exact["params"].items():
+            torch.testing.assert_close(torch.as_tensor(dyn["params"][name]), torch.as_tensor(ref),
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_misuse_is_reported():
+    res = run_distributed(_misuse_worker, 2, backend="cpu:odc", deadline_s=120)
+    for rank, out in res.items():
+        assert "group whose backend is odc" in out["gloo_group"], out
+        assert "ahead must be" in out["ahead"], out
+        assert "name must be" in out["name"], out
+        assert out["second_pass"] == []
+        assert "indices has 1 entries for 2 lengths" in out["lengths"], out
+    assert sum(out["first_pass_len"] for out in res.values()) == 2
+
+
+def test_balance_bound():
+    assert balance.balance_bound([4, 2, 2], [1, 1]) == 4  # the largest microbatch alone
+    assert balance.balance_bound([3, 3, 2], [1, 1]) == 4  # the work spread evenly
+    # a rank 1.3x slower: speeds 1 and 1/1.3 share 8 units
+    assert balance.balance_bound([2, 2, 2, 2], [1, 1.3]) == pytest.approx(8 / (1 + 1 / 1.3))
+    assert balance.balance_bound([], [1, 1]) == 0.0
+    with pytest.raises(ValueError, match="slowdowns"):
+        balance.balance_bound([1], [0])
+    with pytest.raises(ValueError, match="costs"):
+        balance.balance_bound([-1], [1])
+
+
+def test_lb_mini_weighted():
+    rng = random.Random(4)
+    lengths = [rng.randint(1, 500) for _ in range(40)]
+    cost = balance.FittedCost(5.0, 1.0, 0.001)
+    assert balance.lb_mini_weighted(lengths, [1.0, 1.01], 1000, cost) == balance.lb_mini(lengths, 2, 1000, cost)
+    plan = balance.lb_mini_weighted(lengths, [1.0, 1.5, 1.0], 1000, cost)
+    assert sorted(i for p in plan for mb in p for i in mb) == list(range(40))
+    total = [sum(cost([lengths[i] for i in mb]) for mb in p) for p in plan]
+    times = [t * f for t, f in zip(total, [1.0, 1.5, 1.0])]
+    assert total[1] < 0.8 * min(total[0], total[2]), total  # the slow rank gets less work
+    assert max(times) < 1.1 * min(times), times  # and the ranks' times come out even
+    with pytest.raises(ValueError, match="slowdowns"):
+        balance.lb_mini_weighted(lengths, [], 1000, cost)
+
+
+def test_dynamic_sampler_validates_without_a_group():
+    with pytest.raises(ValueError, match="max_tokens"):
+        balance.DynamicBatchSampler([5, 100], max_tokens=64, minibatch_size=2, cost=lambda d: 1.0)
+    with pytest.raises(RuntimeError, match="initialised process group"):
+        balance.DynamicBatchSampler([5, 10], max_tokens=64, minibatch_size=2, cost=lambda d: 1.0)

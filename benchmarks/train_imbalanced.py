@@ -522,7 +522,8 @@ def main() -> int:
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # ranks may share GPUs (odc allows it; then leave out reference_lbmicro: NCCL does not)
+        local_rank = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         dist.init_process_group("cpu:gloo,cuda:odc")

@@ -75,12 +75,12 @@ def _sampler_worker(rank, world):
     return out
 
 
-def _train(mesh, *, dynamic: bool, seed_delays: int):
+def _train(mesh, *, dynamic: bool, seed_delays: int, device="cpu"):
     """Exact mode: every rank runs microbatches rank, rank + dp, ... of the step's 3 * dp.
     Dynamic: decoupled mode, ranks claim the step's microbatches (random delays)."""
     import torch_odc_backend as odc
 
-    model, opt = fm.build(mesh, seed=3)
+    model, opt = fm.build(mesh, seed=3, device=device)
     dp, rank = dist.get_world_size(), dist.get_rank()
     if dynamic:
         odc.decouple(model, opt)
@@ -95,13 +95,13 @@ def _train(mesh, *, dynamic: bool, seed_delays: int):
         for (mb,) in mine:
             if dynamic:
                 time.sleep(rng.uniform(0, 0.03))
-            x, y = fm.batch(seed=7, dp_rank=mb, step=step)
+            x, y = fm.batch(seed=7, dp_rank=mb, step=step, device=device)
             (F.cross_entropy(model(x).float(), y.reshape(-1)) * LOSS_SCALE).backward()
             got.append(mb)
         if dynamic:
             odc.sync(model)
         claimed.append(got)
-        grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.full_tensor().float().cpu() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
     return {"grads": grads, "params": fm.full_params(model), "claimed": claimed}

@@ -34,10 +34,53 @@ def _make_inner(store, rank: int, size: int, timeout, group_name: str, global_ra
     return make
 
 
+_STATS: list[tuple[dict, OdcBackend]] = []  # ODC_STATS_DIR: the groups whose counters go out at exit
+
+
+def _write_stats_at_exit() -> None:
+    """ODC_STATS_DIR: write this process's odc groups and their counters (after the trainer
+    destroyed them: the counters stay readable) to ``odc_stats_rank<R>.json``."""
+    import json
+    import os
+
+    folder = os.environ.get("ODC_STATS_DIR", "")
+    if not _STATS or not folder:
+        return
+    try:
+        groups = [dict(info, stats={k: int(v) for k, v in dict(b.stats()).items()}) for info, b in _STATS]
+        rank = next((info["rank"] for info in groups if info["default"]), groups[0]["rank"])
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"odc_stats_rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "odc_default_backend": os.environ.get("ODC_DEFAULT_BACKEND", ""),
+                       "groups": groups}, f, indent=1)
+    except Exception as e:  # noqa: BLE001 - a report must never turn a finished run into a failure
+        import sys
+
+        print(f"odc: ODC_STATS_DIR: could not write the counters: {e!r}", file=sys.stderr)
+    finally:
+        _STATS.clear()  # the backends go now, while the interpreter is whole
+
+
 def _new_backend(store, rank: int, size: int, timeout, group_name: str, global_ranks):
     """The odc backend of one group: what the creator and a split (init_process_group with
     device_id: DeviceMesh, split_group) have in common. The ODC_* knobs are read now."""
     knobs = config.knobs()
+    backend = _make_backend(store, rank, size, timeout, group_name, global_ranks, knobs)
+    import os
+
+    if os.environ.get("ODC_STATS_DIR"):
+        if not _STATS:
+            import atexit
+
+            atexit.register(_write_stats_at_exit)
+        # the default group is the one being created before the world is initialised
+        _STATS.append(({"group_name": group_name, "rank": dist.get_rank() if dist.is_initialized() else rank,
+                        "group_rank": rank, "size": size, "default": not dist.is_initialized(),
+                        "ranks": list(global_ranks) or list(range(size))}, backend))
+    return backend
+
+
+def _make_backend(store, rank, size, timeout, group_name, global_ranks, knobs):
     return OdcBackend(
         store,
         rank,

@@ -24,7 +24,7 @@ loader), plus ``debug_model.toml``: torchtitan's llama3 ``debugmodel`` flavour (
 ``compare`` checks the run: it trains the same steps from the same seed checkpoint (made
 by torchtitan's ``--checkpoint.create_seed_checkpoint``) on odc (switch alone, N ranks)
 and on a reference, then compares torchtitan's logged per-step losses (its TensorBoard
-scalars, fp32) and records, through examples/recipes/odc_stats.py, which backend every
+scalars, fp32) and records, through ``ODC_STATS_DIR``, which backend every
 group used and odc's counters. References (``--reference``, comma-separated):
 
 - ``default``: the same N-rank run without the switch, i.e. on torchtitan's default backend
@@ -213,17 +213,22 @@ def base_env(work: Path, device: str) -> dict:
 
 def launch(work: Path, name: str, nproc: int, overrides: list[str], *, odc: bool, device: str,
            timeout: float) -> dict:
-    """torchrun N ranks of ``torchtitan.train`` (through odc_stats.py) with the config and
+    """torchrun N ranks of ``torchtitan.train`` (odc's counters through ODC_STATS_DIR) with the config and
     ``overrides``; ``odc``: with ODC_DEFAULT_BACKEND=<device>. Returns the run's record."""
     out = work / name
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     env = base_env(work, device)
+    env["ODC_STATS_DIR"] = str(out / "odc_stats")  # odc's groups and counters, written at exit
+    launcher = []
     if odc:
         env["ODC_DEFAULT_BACKEND"] = device
+        if device == "cuda" and torch.cuda.device_count() < nproc:
+            # torchtitan takes cuda:LOCAL_RANK; ranks sharing GPUs need it folded onto them
+            launcher = ["-m", "torch_odc_backend.share_gpus"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / "odc_stats.py"), "--out", str(out / "odc_stats"), "-m", "torchtitan.train",
+           *launcher, "-m", "torchtitan.train",
            "--job.config_file", str(work / "debug_model.toml"), "--job.dump_folder", str(out), *overrides]
     t0 = time.time()
     log = work / f"{name}.log"
@@ -266,17 +271,15 @@ def read_stats(folder: Path) -> list[dict]:
 
 
 def odc_summary(groups_per_rank: list[dict]) -> dict:
-    """Per rank: the backends of the default group, and odc's counters summed over groups."""
+    """Per rank: whether the default group was odc's, and odc's counters summed over groups."""
     ranks = []
     for rec in groups_per_rank:
-        totals, default = {}, {}
+        totals = {}
         for g in rec["groups"]:
-            for device, b in g["backends"].items():
-                if g["default"]:
-                    default[device] = b["name"]
-                for k, v in b.get("stats", {}).items():
-                    totals[k] = totals.get(k, 0) + v
-        ranks.append({"rank": rec["rank"], "default_group_backends": default, "odc_counters": totals})
+            for k, v in g["stats"].items():
+                totals[k] = totals.get(k, 0) + v
+        ranks.append({"rank": rec["rank"], "default_group_on_odc": any(g["default"] for g in rec["groups"]),
+                      "odc_groups": len(rec["groups"]), "odc_counters": totals})
     return {"ranks": ranks}
 
 

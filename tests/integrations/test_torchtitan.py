@@ -51,16 +51,19 @@ def run_compare(work: Path, *args: str, timeout: float = 1500) -> dict:
 
 
 def assert_odc_carried(result: dict, device: str) -> None:
-    """Every rank's default group (torchtitan's world, whose mesh FSDP uses) ran odc for the
-    device, and odc moved all-gathers and reduce-scatters."""
+    """Every rank's default group (torchtitan's world, whose mesh FSDP uses) was odc's (its
+    counters, written at exit through ODC_STATS_DIR), and odc moved all-gathers and
+    reduce-scatters."""
     ranks = result["odc"]["ranks"]
     assert len(ranks) == result["nproc"], ranks
     for r in ranks:
-        assert r["default_group_backends"].get(device) == "odc", r
+        assert r["default_group_on_odc"], r
         counters = r["odc_counters"]
         assert counters.get("all_gather_ops", 0) > 0 and counters.get("reduce_scatter_ops", 0) > 0, r
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-shim run is for machines without a GPU "
+                    "(CI); here the CUDA variant runs")
 def test_torchtitan_cpu_shim_odc_equals_single_rank(tmp_path):
     steps = 6
     result = run_compare(tmp_path, "--device", "cpu", "--reference", "single", "--steps", str(steps),
@@ -71,8 +74,8 @@ def test_torchtitan_cpu_shim_odc_equals_single_rank(tmp_path):
     losses = result["runs"]["odc"]["losses"]
     assert losses[-1] < losses[0], losses
     assert_odc_carried(result, "cpu")
-    reference = result["runs"]["single"]["backends"]["ranks"]
-    assert [r["default_group_backends"].get("cpu") for r in reference] == ["gloo"], reference
+    # the reference ran without the switch: no odc group anywhere
+    assert result["runs"]["single"]["backends"]["ranks"] == [], result["runs"]["single"]["backends"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -224,6 +224,8 @@ def launch(work: Path, name: str, nproc: int, overrides: list[str], *, odc: bool
     launcher = []
     if odc:
         env["ODC_DEFAULT_BACKEND"] = device
+        import torch
+
         if device == "cuda" and torch.cuda.device_count() < nproc:
             # torchtitan takes cuda:LOCAL_RANK; ranks sharing GPUs need it folded onto them
             launcher = ["-m", "torch_odc_backend.share_gpus"]

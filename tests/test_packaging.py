@@ -29,7 +29,8 @@ def _names(requirements) -> dict[str, str]:
 
 def _third_party_imports(paths) -> set[str]:
     """Top-level modules imported by these files, less the standard library and local ones."""
-    local = {"torch_odc_backend", "_meta"}
+    paths = list(paths)
+    local = {"torch_odc_backend", "_meta"} | {p.stem for path in paths for p in path.parent.glob("*.py")}
     found = set()
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -74,6 +74,7 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     os.environ.setdefault(_k, _v)  # before CUDA / NCCL start
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -342,9 +343,13 @@ def train(a) -> None:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
     dist.barrier()
-    # the Trainer leaves the process group up; destroy it as PyTorch asks (gloo's worker threads
-    # left to interpreter shutdown can abort the process: pytorch/pytorch#190489)
+    # The Trainer leaves the process group up: destroy it, as PyTorch asks. FSDP2's modules keep
+    # their ProcessGroup objects, so free them too while the interpreter is alive: a gloo group
+    # (odc's inner one too) torn down at interpreter shutdown aborts the process now and then
+    # ("terminate called without an active exception"; cf. pytorch/pytorch#190489).
     dist.destroy_process_group()
+    del trainer, fsdp_model, model, mesh_group, backend
+    gc.collect()
 
 
 def pad_slots(micro: list[list[int]], slots: int) -> list[list[int]]:

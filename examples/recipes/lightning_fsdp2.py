@@ -55,6 +55,7 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     os.environ.setdefault(_k, _v)  # before CUDA / NCCL start
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -360,12 +361,16 @@ def train(a) -> None:
         callbacks=[CollectResults(a, started)],
     )
     trainer.fit(LitLM(a))
-    # Lightning leaves the process group up; destroy it as PyTorch asks (gloo's worker threads
-    # left to interpreter shutdown can abort the process: pytorch/pytorch#190489)
+    # Lightning leaves the process group up: destroy it, as PyTorch asks. FSDP2's modules keep
+    # their ProcessGroup objects, so free them too while the interpreter is alive: a gloo group
+    # (odc's inner one too) torn down at interpreter shutdown aborts the process now and then
+    # ("terminate called without an active exception"; cf. pytorch/pytorch#190489).
     import torch.distributed as dist
 
     dist.barrier()
     dist.destroy_process_group()
+    del trainer, strategy
+    gc.collect()
 
 
 # --------------------------------------------------------------------------- reference

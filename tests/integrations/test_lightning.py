@@ -24,7 +24,7 @@ DRIVER = REPO / "examples" / "recipes" / "lightning_fsdp2.py"
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None,
-    reason="Lightning is not installed (pip install lightning==2.6.6, or pytorch-lightning==2.6.6)")
+    reason="Lightning is not installed (pip install pytorch-lightning==2.6.6, or lightning==2.6.6)")
 
 
 def run_compare(work: Path, *args: str, timeout: float = 600) -> dict:

@@ -11,6 +11,7 @@ served its device, and whether torch_odc_backend was imported before the group e
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -41,6 +42,10 @@ def main() -> None:
                 "losses": res["losses"], "norms": res["norms"], "params": res["params"]},
                os.path.join(args.out, f"rank{dist.get_rank()}.pt"))
     dist.destroy_process_group()
+    # groups left to interpreter shutdown (FSDP2 and the mesh keep them) sometimes abort the
+    # process there ("terminate called without an active exception", gloo too): free them now
+    del mesh, backend, res
+    gc.collect()
 
 
 if __name__ == "__main__":

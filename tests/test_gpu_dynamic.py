@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import fsdp_models as fm
 from dist_utils import GPU_ENV, run_distributed, run_once
-from test_dynamic_balance import COST, STEPS, _train
+from test_dynamic_balance import COST, _train, assert_dynamic_equals_exact
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
 
@@ -63,14 +63,4 @@ def test_gpu_claims_exactly_once_and_a_slowed_gpu_takes_less():
 
 
 def test_gpu_dynamic_decoupled_gradients_equal_exact_mode():
-    res = run("train")
-    for step in range(STEPS):
-        got = sorted(m for rank in res for m in res[rank]["dynamic"]["claimed"][step])
-        assert got == list(range(3 * N))
-    for rank in res:
-        exact, dyn = res[rank]["exact"], res[rank]["dynamic"]
-        for step in range(STEPS):
-            for name, ref in exact["grads"][step].items():
-                torch.testing.assert_close(torch.as_tensor(dyn["grads"][step][name]), torch.as_tensor(ref),
-                                           rtol=1e-4, atol=1e-5,
-                                           msg=lambda m: f"rank {rank} step {step} grad {name}: {m}")
+    assert_dynamic_equals_exact(run("train"), N)

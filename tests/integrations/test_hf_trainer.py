@@ -13,16 +13,12 @@ accelerate names gloo itself (nccl on GPUs), and that gloo run equals the refere
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-DRIVER = REPO / "examples" / "recipes" / "hf_trainer_fsdp2.py"
+import recipe_compare
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
@@ -30,14 +26,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_compare(work: Path, *args: str, timeout: float = 600) -> dict:
-    cmd = [sys.executable, str(DRIVER), "compare", "--work", str(work), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(work.glob("*.log")))
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-3000:]}\n{logs}")
-    assert "VERDICT: PASS" in proc.stdout, proc.stdout[-3000:]
-    return json.loads((work / "hf_trainer_result.json").read_text())
+    return recipe_compare.run_compare("hf_trainer_fsdp2.py", "hf_trainer_result.json", work, *args,
+                                      timeout=timeout, verdict=True)
 
 
 def test_hf_trainer_cpu_exact_equals_single_process(tmp_path):

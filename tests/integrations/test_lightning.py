@@ -11,16 +11,12 @@ skipped as a reference).
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-DRIVER = REPO / "examples" / "recipes" / "lightning_fsdp2.py"
+import recipe_compare
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None,
@@ -28,14 +24,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_compare(work: Path, *args: str, timeout: float = 600) -> dict:
-    cmd = [sys.executable, str(DRIVER), "compare", "--work", str(work), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(work.glob("*.log")))
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-3000:]}\n{logs}")
-    assert "VERDICT: PASS" in proc.stdout, proc.stdout[-3000:]
-    return json.loads((work / "lightning_result.json").read_text())
+    return recipe_compare.run_compare("lightning_fsdp2.py", "lightning_result.json", work, *args,
+                                      timeout=timeout, verdict=True)
 
 
 def test_lightning_cpu_named_backend_equals_single_process_and_gloo(tmp_path):

@@ -12,29 +12,20 @@ its own GPU (NCCL refuses ranks sharing one).
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-DRIVER = REPO / "examples" / "recipes" / "megatron_fsdp_recipe.py"
+import recipe_compare
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron_fsdp") is None,
                                 reason="megatron-fsdp is not installed (pip install megatron-fsdp==0.6.1)")
 
 
 def run_compare(work: Path, *args: str, timeout: float = 900) -> dict:
-    cmd = [sys.executable, str(DRIVER), "compare", "--work", str(work), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(work.glob("*.log")))
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-3000:]}\n{logs}")
-    return json.loads((work / "megatron_fsdp_result.json").read_text())
+    return recipe_compare.run_compare("megatron_fsdp_recipe.py", "megatron_fsdp_result.json", work, *args,
+                                      timeout=timeout)
 
 
 def assert_odc_carried(result: dict, device: str) -> None:

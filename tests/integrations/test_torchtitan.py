@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-DRIVER = REPO / "examples" / "recipes" / "torchtitan_debug.py"
+import recipe_compare
+
 
 
 def _version() -> str | None:
@@ -41,13 +38,8 @@ pytestmark = [
 
 
 def run_compare(work: Path, *args: str, timeout: float = 1500) -> dict:
-    cmd = [sys.executable, str(DRIVER), "compare", "--work", str(work), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(work.glob("*.log")))
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-3000:]}\n{logs}")
-    return json.loads((work / "torchtitan_result.json").read_text())
+    return recipe_compare.run_compare("torchtitan_debug.py", "torchtitan_result.json", work, *args,
+                                      timeout=timeout)
 
 
 def assert_odc_carried(result: dict, device: str) -> None:

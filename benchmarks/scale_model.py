@@ -92,9 +92,9 @@ Step time (one minibatch):
   optimizer step;
 * decoupled: ``max over ranks of sum of its t_mb`` + ``odc.sync`` + the optimizer step (and
   publishing the new shards). ``odc.sync``: the last rank's sync in the 4-GPU owner run
-  (7 ms: fence and gradient write-back), plus for ``local`` the reduce-scatter of the fp32
+  (6.6 ms: fence and gradient write-back), plus for ``local`` the reduce-scatter of the fp32
   gradient, plus, across hosts, the latency and one issue per peer;
-* optimizer: the 4-GPU run's medians (10 ms NCCL/exact incl. clip_grad_norm, 31 ms decoupled),
+* optimizer: the 4-GPU run's medians (10 ms NCCL/exact incl. clip_grad_norm, 32 ms decoupled),
   scaled by 4 / W (the shards shrink), at least 2 ms (an assumption).
 
 Reported per W and network: tokens/s (all GPUs) and per GPU for both, ``ratio`` = decoupled

@@ -130,9 +130,8 @@ std::string describe(const at::Tensor& t) {
 
 #ifdef ODC_WITH_CUDA
 namespace {
-// Whether another rank of the group uses this GPU (host name and device UUID compared):
-// NCCL refuses such groups, so odc then serves the inner backend's collectives itself.
-bool shared_by_ranks(const TransportArgs& a, int device) {
+// Every rank's place: its host name, then '/' and its GPU's UUID.
+std::vector<std::vector<uint8_t>> gpu_places(const TransportArgs& a, int device) {
   cudaDeviceProp prop;
   C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   char host[256] = {0};
@@ -140,9 +139,19 @@ bool shared_by_ranks(const TransportArgs& a, int device) {
   std::vector<uint8_t> mine(host, host + std::strlen(host));
   mine.push_back('/');
   mine.insert(mine.end(), prop.uuid.bytes, prop.uuid.bytes + sizeof(prop.uuid.bytes));
-  const auto all = exchange_blobs(a, "device", mine);
+  return exchange_blobs(a, "device", mine);
+}
+
+std::string host_of(const std::vector<uint8_t>& place) {
+  const std::string s(place.begin(), place.end());
+  return s.substr(0, s.rfind('/'));
+}
+
+// Whether another rank of the group uses this GPU (host name and device UUID compared):
+// NCCL refuses such groups, so odc then serves the inner backend's collectives itself.
+bool shared_by_ranks(const TransportArgs& a, const std::vector<std::vector<uint8_t>>& places) {
   for (int r = 0; r < a.world; ++r) {
-    if (r != a.rank && all[r] == mine) return true;
+    if (r != a.rank && places[r] == places[a.rank]) return true;
   }
   return false;
 }
@@ -304,10 +313,24 @@ Channel& OdcBackend::channel(const c10::Device& device) {
                     (knobs_.transport == 1 || (n > 0 && pes[r] / n != pes[getRank()] / n));
         any_routed = any_routed || routed[r];
       }
+      // CUDA IPC reaches only this host's GPUs: a peer the knobs put on this host but whose
+      // host name differs would fail later, obscurely, in cudaIpcOpenMemHandle.
+      const auto places = gpu_places(a, device.index());
+      for (int r = 0; r < getSize(); ++r) {
+        ODC_CHECK(routed[r] || host_of(places[r]) == host_of(places[getRank()]), ValueError,
+                  "odc: group '", group_name_, "': rank ", r, " runs on host '", host_of(places[r]),
+                  "' and this rank (", getRank(), ") on '", host_of(places[getRank()]),
+                  "', but ", knobs_.transport == 2 ? "ODC_TRANSPORT=ipc" : (knobs_.host_size > 0
+                  ? cat("ODC_HOST_SIZE=", knobs_.host_size) : std::string("ODC_HOST_SIZE (unset)")),
+                  " puts them on one host, where odc reaches peers through CUDA IPC. Set "
+                  "ODC_HOST_SIZE to the ranks per host (torchrun's --nproc-per-node) on every rank,"
+                  " with an ODC_WITH_NVSHMEM=1 build: peers on other hosts then go over NVSHMEM");
+      }
       std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
       if (knobs_.transport == 1 || any_routed) {
 #ifdef ODC_WITH_NVSHMEM
-        memory = nvshmem::make_memory(std::move(pes), std::move(routed), device.index());
+        memory = nvshmem::make_memory(std::move(pes), std::move(routed), device.index(),
+                                      knobs_.nvshmem_stage_always);
 #else
         ODC_CHECK(false, ValueError, "odc: ",
                   knobs_.transport == 1 ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
@@ -323,7 +346,7 @@ Channel& OdcBackend::channel(const c10::Device& device) {
       C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
       C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi));
       ch.async_stream = s;
-      ch.shares_device = shared_by_ranks(a, device.index());
+      ch.shares_device = shared_by_ranks(a, places);
 #else
       ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
                          "built against a CPU-only torch); rebuild it where torch has CUDA");

@@ -55,6 +55,9 @@ struct Knobs {
   // tensors when ranks share a GPU or NCCL is absent, the inner backend otherwise
   int self_serve = 2;
   bool nccl_available = true;
+  // ODC_NVSHMEM_STAGE=always: routed copies stage their local side to every routed peer, not
+  // only to network peers (runs the network path where NVSHMEM maps every peer)
+  bool nvshmem_stage_always = false;
 };
 
 // Argument helpers shared by the backend's collectives (backend.cpp, own_collectives.cpp).

@@ -61,10 +61,11 @@ PYBIND11_MODULE(_C, m) {
                        int reduce_blocks, int64_t small_op_bytes, bool stream_memops,
                        int accumulate_blocks, int transport, int host_size,
                        std::vector<int> global_ranks, bool match_check, py::object split_factory,
-                       int self_serve, bool nccl_available) {
+                       int self_serve, bool nccl_available, bool nvshmem_stage_always) {
              odc::Knobs k{chunk_bytes,    ring_slots,    reduce_blocks, accumulate_blocks,
                           small_op_bytes, stream_memops, transport,     host_size,
-                          std::move(global_ranks), match_check, self_serve, nccl_available};
+                          std::move(global_ranks), match_check, self_serve, nccl_available,
+                          nvshmem_stage_always};
              return c10::make_intrusive<odc::OdcBackend>(
                  store, rank, size, timeout, std::move(group_name),
                  wrap_factory<const std::string&>(std::move(inner_factory)), k,
@@ -79,7 +80,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("accumulate_blocks") = 0, py::arg("transport") = 0, py::arg("host_size") = 0,
            py::arg("global_ranks") = std::vector<int>{}, py::arg("match_check") = true,
            py::arg("split_factory") = py::none(), py::arg("self_serve") = 2,
-           py::arg("nccl_available") = true)
+           py::arg("nccl_available") = true, py::arg("nvshmem_stage_always") = false)
       .def_property_readonly(
           "options",
           [](odc::OdcBackend& b) {
@@ -182,6 +183,7 @@ PYBIND11_MODULE(_C, m) {
         odc::nvshmem::grow(bytes);
       },
       py::arg("bytes"));
+  m.def("nvshmem_stage_bytes", &odc::nvshmem::stage_bytes, py::arg("world"));
   m.def("nvshmem_status", [] {
     const auto s = odc::nvshmem::status();
     py::dict d;
@@ -193,6 +195,9 @@ PYBIND11_MODULE(_C, m) {
     d["segments"] = s.segments;
     d["routed_copies"] = s.routed_copies;
     d["routed_signals"] = s.routed_signals;
+    d["staged_copies"] = s.staged_copies;
+    d["staged_bytes"] = s.staged_bytes;
+    d["network_peers"] = s.network_peers;
     return d;
   });
   m.def(

@@ -35,6 +35,13 @@ std::atomic<int> n_segments{0};
 size_t slab_size = 0;  // the segments' total
 std::atomic<uint64_t> routed_copies{0};  // observability: routed get / put calls issued
 std::atomic<uint64_t> routed_signals{0};
+std::atomic<uint64_t> staged_copies{0};
+std::atomic<uint64_t> staged_bytes{0};
+std::atomic<int> network_peers{0};  // summed over the groups' windows
+
+// One staging room: a routed copy with its local side outside the slab moves through it in
+// pieces of this size (get + local copy, or local copy + put, in stream order).
+constexpr size_t kStageBytes = size_t{2} << 20;
 
 void check_cuda(cudaError_t e, const char* what) {
   ODC_CHECK(e == cudaSuccess, Error, "odc nvshmem: ", what, " failed: ", cudaGetErrorString(e));
@@ -72,6 +79,16 @@ void add_segment(size_t bytes) {
 }
 
 size_t round4k(size_t n) { return (n + 4095) / 4096 * 4096; }
+
+// Whether [p, p + bytes) lies in one slab segment (NVSHMEM can use it remotely).
+bool in_slab(const void* p, size_t bytes) {
+  const auto* c = static_cast<const char*>(p);
+  const int n = n_segments.load(std::memory_order_acquire);
+  for (int i = 0; i < n; ++i) {
+    if (c >= segments[i].base && c + bytes <= segments[i].base + segments[i].bytes) return true;
+  }
+  return false;
+}
 
 // The local address of virtual offset `off`.
 char* slab_at(size_t off) {
@@ -152,8 +169,9 @@ constexpr uintptr_t kRoutedStride = uintptr_t{1} << 40;  // slabs are far below 
 
 class SymmetricMemory final : public DeviceMemory {
  public:
-  SymmetricMemory(std::vector<int> pes, std::vector<bool> routed)
-      : pes_(std::move(pes)), routed_(std::move(routed)) {
+  SymmetricMemory(std::vector<int> pes, std::vector<bool> routed, bool stage_always)
+      : pes_(std::move(pes)), routed_(std::move(routed)), stage_always_(stage_always),
+        network_(routed_.size(), false) {
     for (bool r : routed_) any_routed_ = any_routed_ || r;
   }
 
@@ -162,15 +180,39 @@ class SymmetricMemory final : public DeviceMemory {
     return any_routed_ && reinterpret_cast<uintptr_t>(p) >= kRoutedBase;
   }
 
-  // dst or src is a routed peer's placeholder; the other side is this GPU's memory (on
-  // one host NVSHMEM copies peer-to-peer; to another host the local side must be in the
-  // symmetric heap or registered: not handled yet).
-  void copy_routed(void* dst, const void* src, size_t bytes, cudaStream_t s) override {
-    if (routed(src)) {
-      const auto [pe, sym] = decode(src);
+  // dst or src is a routed peer's placeholder; the other side is this GPU's memory. To a
+  // peer NVSHMEM maps, NVSHMEM copies peer-to-peer from any local address; to a network peer
+  // the local side must be remotely usable: the slab directly, anything else through this
+  // copy's staging room (one extra copy on this GPU, far faster than the network).
+  void copy_routed(int slot, void* dst, const void* src, size_t bytes, cudaStream_t s) override {
+    const bool get = routed(src);
+    const auto [r, pe, sym] = decode(get ? src : dst);
+    const void* local = get ? static_cast<const void*>(dst) : src;
+    if (stage_ != nullptr && (stage_always_ || network_.at(r)) && !in_slab(local, bytes)) {
+      ODC_CHECK(slot >= 0 && static_cast<size_t>(slot + 1) * kStageBytes <= stage_size_, Error,
+                "odc nvshmem: staging room ", slot, " is past the group's ", stage_size_, " bytes");
+      char* room = stage_ + static_cast<size_t>(slot) * kStageBytes;
+      auto* remote = static_cast<char*>(sym);
+      for (size_t off = 0; off < bytes; off += kStageBytes) {
+        const size_t n = std::min(kStageBytes, bytes - off);
+        if (get) {
+          nvshmemx_getmem_on_stream(room, remote + off, n, pe, s);
+          check_cuda(cudaMemcpyAsync(static_cast<char*>(dst) + off, room, n,
+                                     cudaMemcpyDeviceToDevice, s), "staging a get");
+        } else {
+          check_cuda(cudaMemcpyAsync(room, static_cast<const char*>(src) + off, n,
+                                     cudaMemcpyDeviceToDevice, s), "staging a put");
+          nvshmemx_putmem_on_stream(remote + off, room, n, pe, s);  // room reusable after it
+        }
+        routed_copies.fetch_add(1, std::memory_order_relaxed);
+      }
+      staged_copies.fetch_add(1, std::memory_order_relaxed);
+      staged_bytes.fetch_add(bytes, std::memory_order_relaxed);
+      return;
+    }
+    if (get) {
       nvshmemx_getmem_on_stream(dst, sym, bytes, pe, s);  // complete in stream order
     } else {
-      const auto [pe, sym] = decode(dst);
       nvshmemx_putmem_on_stream(sym, src, bytes, pe, s);
     }
     routed_copies.fetch_add(1, std::memory_order_relaxed);
@@ -181,7 +223,7 @@ class SymmetricMemory final : public DeviceMemory {
   }
 
   void signal_routed(uint64_t* flag, uint64_t value, cudaStream_t s) override {
-    const auto [pe, sym] = decode(flag);
+    const auto [r, pe, sym] = decode(flag);
     nvshmemx_signal_op_on_stream(static_cast<uint64_t*>(sym), value, NVSHMEM_SIGNAL_SET, pe, s);
     routed_signals.fetch_add(1, std::memory_order_relaxed);
   }
@@ -192,7 +234,12 @@ class SymmetricMemory final : public DeviceMemory {
     // first segment where `bytes` fit after it, so a window sits at the same symmetric
     // address on every member. Another group may reserve on this rank between the exchange
     // and the reservation (transports start on several threads): then every member learns
-    // it and the round repeats past the new bump pointers.
+    // it and the round repeats past the new bump pointers. The group's first block (its
+    // communication window) carries the staging rooms after it when some peer is routed
+    // (every member of a group that spans hosts has one, so the members agree on the size).
+    const size_t asked = bytes;
+    const size_t rooms = (!opened_ && any_routed_) ? stage_bytes(a.world) : 0;
+    if (rooms > 0) bytes = round4k(bytes) + rooms;
     uint64_t off = 0;
     for (int round = 0;; ++round) {
       const std::string key = tag + "_nvshmem_" + std::to_string(round);
@@ -238,17 +285,22 @@ class SymmetricMemory final : public DeviceMemory {
     }
     std::vector<char*> bases(a.world, nullptr);
     char* local = slab_at(off);
-    check_cuda(cudaMemset(local, 0, bytes), "zeroing a window");
+    check_cuda(cudaMemset(local, 0, asked), "zeroing a window");
     check_cuda(cudaDeviceSynchronize(), "zeroing a window");
+    if (rooms > 0) {
+      stage_ = local + round4k(asked);
+      stage_size_ = rooms;
+    }
     for (int r = 0; r < a.world; ++r) {
       if (r == a.rank) {
         bases[r] = local;
       } else if (routed_.at(r)) {
-        // A peer NVSHMEM reaches only over the network would need the user's buffers (the
-        // other side of each get / put) registered with NVSHMEM: not implemented yet.
-        ODC_CHECK(nvshmem_ptr(local, pes_.at(r)) != nullptr, Error, "odc nvshmem: rank ", r,
-                  " (PE ", pes_.at(r), ") is reachable only over the network; odc cannot use "
-                  "such peers yet (registration of the user's buffers is not implemented)");
+        // A peer NVSHMEM cannot map is a network peer: its copies stage their local side.
+        const bool network = nvshmem_ptr(local, pes_.at(r)) == nullptr;
+        if (!opened_) {
+          network_[r] = network;
+          if (network) network_peers.fetch_add(1, std::memory_order_relaxed);
+        }
         bases[r] = reinterpret_cast<char*>(kRoutedBase + r * kRoutedStride + off);
       } else {
         bases[r] = static_cast<char*>(nvshmem_ptr(local, pes_.at(r)));
@@ -256,6 +308,7 @@ class SymmetricMemory final : public DeviceMemory {
                   ") is on this host but not reachable peer-to-peer");
       }
     }
+    opened_ = true;
     return bases;  // the transport barriers before any peer may signal into it
   }
 
@@ -264,21 +317,35 @@ class SymmetricMemory final : public DeviceMemory {
   }
 
  private:
-  std::pair<int, void*> decode(const void* p) const {
+  struct Routed {
+    int rank;  // group rank
+    int pe;
+    void* sym;  // the symmetric object's address on this PE
+  };
+  Routed decode(const void* p) const {
     const uintptr_t v = reinterpret_cast<uintptr_t>(p) - kRoutedBase;
-    const auto r = static_cast<size_t>(v / kRoutedStride);
-    return {pes_.at(r), slab_at(v % kRoutedStride)};
+    const auto r = static_cast<int>(v / kRoutedStride);
+    return {r, pes_.at(r), slab_at(v % kRoutedStride)};
   }
 
   std::vector<int> pes_;
   std::vector<bool> routed_;
+  bool stage_always_;
+  std::vector<bool> network_;  // routed peers NVSHMEM cannot map (set by the first window)
   bool any_routed_ = false;
+  bool opened_ = false;
+  char* stage_ = nullptr;  // staging rooms, after the group's window in this rank's slab
+  size_t stage_size_ = 0;
 };
 
 }  // namespace
 
+size_t stage_bytes(int world) {
+  return static_cast<size_t>(Transport::kNumRings) * static_cast<size_t>(world) * kStageBytes;
+}
+
 std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, std::vector<bool> routed,
-                                          int device) {
+                                          int device, bool stage_always) {
   std::lock_guard<std::mutex> lock(init_mu);
   ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED && n_segments.load() > 0, Error,
             "odc: peers over NVSHMEM (ODC_TRANSPORT=nvshmem, or ODC_HOST_SIZE hosts): call "
@@ -294,7 +361,7 @@ std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, std::vect
   }
   ODC_CHECK(routed.size() == pe_of_rank.size(), ValueError, "odc nvshmem: ", routed.size(),
             " routing flags for ", pe_of_rank.size(), " ranks");
-  return std::make_unique<SymmetricMemory>(std::move(pe_of_rank), std::move(routed));
+  return std::make_unique<SymmetricMemory>(std::move(pe_of_rank), std::move(routed), stage_always);
 }
 
 Status status() {
@@ -312,6 +379,9 @@ Status status() {
   }
   s.routed_copies = routed_copies.load();
   s.routed_signals = routed_signals.load();
+  s.staged_copies = staged_copies.load();
+  s.staged_bytes = staged_bytes.load();
+  s.network_peers = network_peers.load();
   return s;
 }
 

@@ -8,9 +8,11 @@
 // PyTorch's own NVSHMEM use assumes); a slab of the symmetric heap that groups sub-allocate
 // their windows and arenas from; routed peers (ODC_TRANSPORT=nvshmem, or peers on other
 // "hosts" of ODC_HOST_SIZE) reached with on-stream get / put / signal / quiet, the others
-// through peer-to-peer mappings of the same slab; and a put-with-signal self-test. Missing for
-// real network peers: registering the user's buffers (the local side of each get / put), so
-// a peer reachable only over the network is refused when a window opens.
+// through peer-to-peer mappings of the same slab; and a put-with-signal self-test.
+// Network peers (routed peers NVSHMEM cannot map, nvshmem_ptr() == NULL: another host, or a
+// remote transport on this one) need the local side of every get / put in memory NVSHMEM
+// can use remotely: a copy whose local side is outside the slab (the user's tensors) goes
+// through a staging room in this rank's slab, one per (ring, lane), in stream order.
 #pragma once
 
 #include <cstddef>
@@ -43,8 +45,14 @@ void grow(size_t bytes);
 // with routed[r] are reached through NVSHMEM's on-stream get / put / signal calls (peers on
 // other hosts, or every peer when ODC_TRANSPORT=nvshmem forces it), the others through
 // peer-to-peer mappings (nvshmem_ptr). Throws if NVSHMEM is not initialised.
+// stage_always: stage every routed copy whose local side is outside the slab, also to peers
+// NVSHMEM maps peer-to-peer (ODC_NVSHMEM_STAGE=always: runs the network path on one host).
 std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, std::vector<bool> routed,
-                                          int device);
+                                          int device, bool stage_always);
+
+// Bytes of one group's staging rooms (world lanes x the rings of a transport), taken from the
+// slab with the group's window when some peer is routed.
+size_t stage_bytes(int world);
 
 struct Status {
   int init_status = 0;  // nvshmemx_init_status(): 0 not initialised ... >= 2 initialised
@@ -55,6 +63,9 @@ struct Status {
   std::vector<std::pair<size_t, size_t>> segments;  // (bytes, used) of each slab segment
   uint64_t routed_copies = 0;   // get / put calls issued to routed peers
   uint64_t routed_signals = 0;  // signals issued to routed peers
+  uint64_t staged_copies = 0;   // routed get / put calls that went through a staging room
+  uint64_t staged_bytes = 0;
+  int network_peers = 0;        // routed peers NVSHMEM cannot map (seen by windows opened so far)
 };
 Status status();
 

@@ -657,7 +657,8 @@ void CudaIpcTransport::fork_lane(int lane) {
 void CudaIpcTransport::issue_copy(int lane, void* dst, const void* src, size_t bytes) {
   issue_prepare(lane);
   if (memory_->routed(dst) || memory_->routed(src)) {
-    memory_->copy_routed(dst, src, bytes, lane_stream(lane));
+    memory_->copy_routed(static_cast<int>(ring_) * a_.world + lane, dst, src, bytes,
+                         lane_stream(lane));
     return;
   }
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, lane_stream(lane)),

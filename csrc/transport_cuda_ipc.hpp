@@ -47,10 +47,12 @@ class DeviceMemory {
 
   // Routed peers (NVSHMEM's API path, e.g. GPUs on other hosts): their bases are placeholder
   // addresses that no kernel may touch; copies and signals that involve them go through
-  // copy_routed / signal_routed on the lane's stream, in stream order.
+  // copy_routed / signal_routed on the lane's stream, in stream order. `slot` (ring x
+  // world + lane) names the copy's staging room: copies with one slot never overlap in time
+  // (one ring's operations run in order, one lane's steps in stream order).
   virtual bool any_routed() const { return false; }
   virtual bool routed(const void* p) const { return false; }
-  virtual void copy_routed(void* dst, const void* src, size_t bytes, cudaStream_t s) {}
+  virtual void copy_routed(int slot, void* dst, const void* src, size_t bytes, cudaStream_t s) {}
   // Before a step's routed signals: the lane's earlier routed puts have landed.
   virtual void quiet_routed(cudaStream_t s) {}
   virtual void signal_routed(uint64_t* flag, uint64_t value, cudaStream_t s) {}

@@ -1,6 +1,14 @@
-"""NVSHMEM runtime (groundwork for the NVSHMEM transport): a build without it says how to
-get it; with >= 2 GPUs and an ODC_WITH_NVSHMEM=1 build, initialisation over the default
-group and a checked put-with-signal between neighbours (skipped, loudly, otherwise)."""
+"""NVSHMEM runtime and transport: a build without it says how to get it; with >= 2 GPUs and
+an ODC_WITH_NVSHMEM=1 build, initialisation over the default group, a checked put-with-signal
+between neighbours, collectives and decoupled mode with peers routed over NVSHMEM (skipped,
+loudly, otherwise).
+
+ODC_TEST_NVSHMEM_SHARED_GPU=1 lets the routed collectives run with ranks sharing GPUs where
+the machine has fewer (NVSHMEM's several-PEs-per-GPU mode). ODC_TEST_NVSHMEM_REMOTE=1 (implies
+it) says the environment gives NVSHMEM a remote transport between the ranks (e.g.
+NVSHMEM_DISABLE_P2P=1 NVSHMEM_REMOTE_TRANSPORT=ucx): they must then see network peers."""
+import os
+
 import pytest
 import torch
 
@@ -82,6 +90,10 @@ def test_default_group_creation_brings_nvshmem_up(tmp_path, monkeypatch):
         assert odc_nvshmem.init_from_backend(None, 0, 2) is False
 
 
+def _remote_env() -> bool:
+    return os.environ.get("ODC_TEST_NVSHMEM_REMOTE") == "1"
+
+
 def _collectives_worker(rank, world):
     import torch.distributed as dist
 
@@ -89,7 +101,7 @@ def _collectives_worker(rank, world):
     from test_decoupled import run_configs
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
     up = odc_nvshmem.status()  # no init() call: the default group's backend brought it up
     g = torch.Generator(device="cuda").manual_seed(100 + rank)
     shard = torch.randn(3 << 20, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -106,22 +118,27 @@ def _collectives_worker(rank, world):
     expect = sum(x.view(world, -1)[rank] for x in rows_of)
     sub = _cross_host_subgroup_check(rank, world) if world == 4 else None
     st = odc_nvshmem.status()  # windows from the slab; routed gets / puts / signals issued
-    used = (st["slab_used"], st["routed_copies"], st["routed_signals"])
-    # owner-side accumulation cannot reach routed peers: refused before anything runs
+    used = (st["slab_used"], st["routed_copies"], st["routed_signals"], st["staged_copies"],
+            st["network_peers"])
+    # owner-side accumulation cannot reach routed peers: refused before anything runs, and
+    # chosen away from when decouple is not told
+    import torch_odc_backend as odc
+
     model, opt = fm.build(init_device_mesh("cuda", (world,)), seed=5, device="cuda")
     try:
-        import torch_odc_backend as odc
-
-        odc.decouple(model, opt)
+        odc.decouple(model, opt, accumulate="owner")
         refused = None
     except ValueError as e:
         refused = str(e)
+    model, opt = fm.build(init_device_mesh("cuda", (world,)), seed=5, device="cuda")
+    chosen = odc.decouple(model, opt).accumulate
     # FSDP2 in decoupled mode over the same transport (accumulate="local": NVSHMEM has no
     # float atomics for the owner-side put-accumulate)
     decoupled = fm.to_wire(run_configs({"bf16_local": dict(mesh=(world,), bf16=True, accumulate="local")},
                                        "cuda")[0])
     return (bool(torch.equal(out, torch.cat(every))), float((red - expect).abs().max()), used,
-            decoupled, refused, sub, (up["init_status"], up["slab_bytes"], odc_nvshmem.default_slab_bytes(world)))
+            decoupled, (refused, chosen), sub,
+            (up["init_status"], up["slab_bytes"], odc_nvshmem.default_slab_bytes(world)))
 
 
 def _cross_host_subgroup_check(rank, world):
@@ -145,21 +162,29 @@ def _cross_host_subgroup_check(rank, world):
 
 
 # ODC_TRANSPORT=nvshmem: every peer through NVSHMEM's on-stream calls; ODC_HOST_SIZE=2 on 4
-# GPUs: two "hosts" of two, peer-to-peer within a pair and NVSHMEM across (the mixed path)
+# GPUs: two "hosts" of two, peer-to-peer within a pair and NVSHMEM across (the mixed path);
+# ODC_NVSHMEM_STAGE=always: every routed copy takes the network peers' path (staged through
+# the slab) although NVSHMEM maps the peer
 SPLITS = {"all_peers_nvshmem": (2, {"ODC_TRANSPORT": "nvshmem"}),
+          "all_peers_staged": (2, {"ODC_TRANSPORT": "nvshmem", "ODC_NVSHMEM_STAGE": "always"}),
           "two_hosts_of_two": (4, {"ODC_HOST_SIZE": "2"})}
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_gpu_collectives_and_decoupled_over_nvshmem(split):
     world, extra = SPLITS[split]
-    if torch.cuda.device_count() < world or not odc_nvshmem.available():
-        pytest.skip(f"needs >= {world} CUDA GPUs and an ODC_WITH_NVSHMEM=1 build")
+    remote = _remote_env()
+    shared = remote or os.environ.get("ODC_TEST_NVSHMEM_SHARED_GPU") == "1"
+    if not odc_nvshmem.available() or torch.cuda.device_count() < (1 if shared else world):
+        pytest.skip(f"needs >= {world} CUDA GPUs (or ODC_TEST_NVSHMEM_SHARED_GPU=1 and one) and "
+                    "an ODC_WITH_NVSHMEM=1 build")
     results = run_distributed(_collectives_worker, world, backend="cpu:gloo,cuda:odc",
                               env=dict(GPU_ENV, **extra), deadline_s=300)
     from test_decoupled import TOL, assert_grads_match
 
-    for rank, (ag_equal, rs_err, (slab_used, copies, signals), decoupled, refused, sub, up) in results.items():
+    staged = remote or extra.get("ODC_NVSHMEM_STAGE") == "always"
+    for rank, (ag_equal, rs_err, used, decoupled, (refused, chosen), sub, up) in results.items():
+        slab_used, copies, signals, staged_copies, network_peers = used
         assert up[0] >= 2 and up[1] == up[2], f"rank {rank}: after init_process_group (status, slab, default) {up}"
         assert ag_equal, rank
         if sub is not None:
@@ -167,7 +192,11 @@ def test_gpu_collectives_and_decoupled_over_nvshmem(split):
         assert rs_err < 1e-4, (rank, rs_err)
         assert slab_used > 0, "the odc window did not come from NVSHMEM's symmetric heap"
         assert copies > 0 and signals > 0, "no get / put / signal went through NVSHMEM"
+        assert (staged_copies > 0) == staged, (rank, split, remote, staged_copies)
+        if remote:
+            assert network_peers > 0, f"rank {rank}: NVSHMEM mapped every peer: no remote transport"
         assert refused is not None and "accumulate='local'" in refused, refused
+        assert chosen == "local", (rank, chosen)
         cfg = decoupled["bf16_local"]
         assert "error" not in cfg, f"rank {rank}:\n{cfg.get('error')}"
         assert_grads_match(cfg, TOL[True], rank)

@@ -101,6 +101,7 @@ def _make_backend(store, rank, size, timeout, group_name, global_ranks, knobs):
         _new_backend,
         knobs.self_serve,
         dist.is_nccl_available(),
+        knobs.nvshmem_stage_always,
     )
 
 

@@ -62,6 +62,16 @@ def _host_size() -> int:
     return _int("ODC_HOST_SIZE", 1, 1 << 20)
 
 
+def _nvshmem_stage_always() -> bool:
+    """ODC_NVSHMEM_STAGE: which routed copies stage their local side through the slab:
+    auto (default) those to network peers (peers NVSHMEM cannot map), always every routed
+    copy (the network path on one host, for tests)."""
+    raw = os.environ.get("ODC_NVSHMEM_STAGE", "").strip().lower()
+    if raw not in ("", "auto", "always"):
+        raise ValueError(f"ODC_NVSHMEM_STAGE={raw!r}: expected auto or always")
+    return raw == "always"
+
+
 _SELF_SERVE = {"": 2, "auto": 2, "1": 1, "0": 0}
 
 
@@ -90,6 +100,7 @@ class Knobs:
     host_size: int  # ODC_HOST_SIZE: global ranks per host; 0: every rank on one host
     match_check: bool  # ODC_MATCH_CHECK: ranks check that their collectives match (1)
     self_serve: int  # ODC_SELF_SERVE: other collectives by 0 the inner backend, 1 odc, 2 auto
+    nvshmem_stage_always: bool = False  # ODC_NVSHMEM_STAGE=always: stage every routed copy
 
 
 def knobs() -> Knobs:
@@ -104,4 +115,5 @@ def knobs() -> Knobs:
         host_size=_host_size(),
         match_check=os.environ.get("ODC_MATCH_CHECK", "").strip() == "" or _int("ODC_MATCH_CHECK", 0, 1) == 1,
         self_serve=_self_serve(),
+        nvshmem_stage_always=_nvshmem_stage_always(),
     )

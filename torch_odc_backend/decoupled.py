@@ -25,8 +25,10 @@ published from (and the gradients written to) host memory.
 ``accumulate="local"`` trades memory for speed: each rank adds its reduce-scatter inputs
 into a local fp32 buffer (one unsharded gradient, +4 bytes per parameter) and ``sync``
 reduce-scatters it once over the odc group, instead of atomic adds into the owners'
-accumulators during backward (the default, ``"owner"``, whose atomics over NVLink can
-outlast short backward layers: README, "End-to-end").
+accumulators during backward (``"owner"``, whose atomics over NVLink can outlast short
+backward layers: README, "End-to-end"). Unset, it is ``"owner"``, or ``"local"`` where the
+shard group reaches some peer over NVSHMEM (``ODC_TRANSPORT=nvshmem``, peers on other hosts):
+NVSHMEM has no floating-point atomics to add into a remote accumulator.
 
 Only public FSDP2 extension points are used: ``set_custom_all_gather`` /
 ``set_custom_reduce_scatter``, ``set_requires_all_reduce``,
@@ -244,10 +246,9 @@ class DecoupledState:
     """What ``decouple`` set up for one model; ``sync`` and the optimizer hooks drive it."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 accumulate: str = "owner"):
-        if accumulate not in ("owner", "local"):
+                 accumulate: str | None = None):
+        if accumulate not in (None, "owner", "local"):
             raise ValueError(f"odc.decouple: accumulate must be 'owner' or 'local', got {accumulate!r}")
-        self.accumulate = accumulate
         groups = _policies(model)
         first = groups[0][1].params[0]
         self.mesh = first.device_mesh
@@ -261,6 +262,13 @@ class DecoupledState:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.shard_dim = self.mesh.ndim - 1
         self.shard_pg = self.mesh.get_group(self.shard_dim)
+        if accumulate is None:  # NVSHMEM has no float atomics for the owners' accumulators
+            from .nvshmem import routes_some_peer
+
+            routed = self.device.type == "cuda" and routes_some_peer(
+                dist.get_process_group_ranks(self.shard_pg))
+            accumulate = "local" if routed else "owner"
+        self.accumulate = accumulate
         self.replicate_pg = self.mesh.get_group(0) if self.mesh.ndim == 2 else None
         if self.replicate_pg is not None and self.replicate_pg.size() == 1:
             self.replicate_pg = None  # nothing to all-reduce
@@ -423,13 +431,14 @@ class DecoupledState:
 
 
 def decouple(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-             accumulate: str = "owner") -> DecoupledState:
+             accumulate: str | None = None) -> DecoupledState:
     """Switch a fully_shard model on an odc mesh to decoupled mode (collective: call it on
     every rank, after fully_shard and after creating the optimizer).
 
-    ``accumulate``: ``"owner"`` (default) adds gradient rows into the owners' accumulators
-    during backward; ``"local"`` sums them in a local fp32 buffer (+4 bytes per parameter)
-    and reduce-scatters once in ``sync``."""
+    ``accumulate``: ``"owner"`` adds gradient rows into the owners' accumulators during
+    backward; ``"local"`` sums them in a local fp32 buffer (+4 bytes per parameter) and
+    reduce-scatters once in ``sync``. Unset: ``"owner"``, or ``"local"`` where the shard
+    group reaches a peer over NVSHMEM (no floating-point atomics there)."""
     if _state_of(model) is not None:
         raise RuntimeError("odc.decouple: this model is in decoupled mode already")
     state = DecoupledState(model, optimizer, accumulate)

@@ -13,8 +13,12 @@ also initialises NVSHMEM where the backend did not (other knobs, PyTorch's symme
     odc_nvshmem.init(model=model)       # collective over the default group; optional
     odc_nvshmem.ring_selftest(1 << 20)  # put-with-signal to the next PE, checked
 
-A peer that NVSHMEM reaches only over the network is refused for now: the user's buffers
-would have to be registered with NVSHMEM first.
+Network peers (routed peers NVSHMEM cannot map: GPUs of other hosts, or peers of this host
+under a remote transport) need the local side of each get / put in memory NVSHMEM can use
+remotely: copies whose local side is a user tensor go through staging rooms in this rank's
+slab (``stage_bytes(world)`` per group, after its window; ``ODC_NVSHMEM_STAGE=always``
+stages to every routed peer, to run that path on one host). Decoupled mode picks
+``accumulate="local"`` by itself where a peer is routed (NVSHMEM has no float atomics).
 
 Available when the extension was built with ``ODC_WITH_NVSHMEM=1`` (CUDA builds; NVSHMEM
 from ``$NVSHMEM_HOME`` or the ``nvidia-nvshmem-cu13`` wheel). The NVSHMEM world is the
@@ -30,7 +34,7 @@ import torch.distributed as dist
 from . import _C, config
 
 __all__ = ["available", "blocks_for", "default_slab_bytes", "ensure_room", "init", "ring_selftest",
-           "slab_bytes_for", "status"]
+           "routes_some_peer", "slab_bytes_for", "stage_bytes", "status"]
 
 _UID_KEY = "odc_nvshmem_unique_id"
 
@@ -56,11 +60,20 @@ _HEADROOM = 64 << 20  # slab bytes beyond the windows and arenas counted
 
 def _window_bytes(world: int) -> int:
     """One group's communication window with the current ring knobs (about (world + 1) x
-    ODC_RING_SLOTS x ODC_CHUNK_BYTES)."""
+    ODC_RING_SLOTS x ODC_CHUNK_BYTES), plus its staging rooms where peers are routed."""
     k = config.knobs()
     slots = k.ring_slots or _C.default_ring_slots
     chunk = k.chunk_bytes or _C.default_chunk_bytes_cuda
-    return _C.window_bytes(world, chunk, slots)
+    window = _C.window_bytes(world, chunk, slots)
+    if _routed(world) and available():
+        window = _round4k(window) + stage_bytes(world)
+    return window
+
+
+def stage_bytes(world: int) -> int:
+    """Bytes of a ``world``-rank group's staging rooms (one 2 MiB room per ring and lane)."""
+    _require()
+    return int(_C.nvshmem_stage_bytes(world))
 
 
 def default_slab_bytes(world: int, groups: int = 2) -> int:
@@ -92,6 +105,16 @@ def _routed(world: int) -> bool:
     """Whether the knobs send some CUDA peer over NVSHMEM."""
     k = config.knobs()
     return k.transport == 1 or (k.transport == 0 and 0 < k.host_size < world)
+
+
+def routes_some_peer(global_ranks) -> bool:
+    """Whether the knobs send some CUDA peer of a group with these global ranks over NVSHMEM
+    (every peer with ``ODC_TRANSPORT=nvshmem``; peers on other hosts of ``ODC_HOST_SIZE``)."""
+    k = config.knobs()
+    ranks = list(global_ranks)
+    if k.transport == 1:
+        return len(ranks) > 1
+    return k.transport == 0 and k.host_size > 0 and len({g // k.host_size for g in ranks}) > 1
 
 
 def init_from_backend(store, rank: int, world: int) -> bool:

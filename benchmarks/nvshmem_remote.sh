@@ -7,7 +7,8 @@
 #
 #   OUT=/some/dir bash benchmarks/nvshmem_remote.sh     # builds with ODC_WITH_NVSHMEM=1 first
 #
-# UCX: a libucx-cu13 wheel in .ucx/ (NVSHMEM's UCX transport dlopens libucp.so.0) is unpacked
+# PROBES (default: all) picks configurations by name: p2p p2p_staged ucx_default ucx_sm ucx_tcp
+# ucx_tcp_only libfabric ibrc. UCX: a libucx-cu13 wheel in .ucx/ (NVSHMEM's UCX transport dlopens libucp.so.0) is unpacked
 # to /tmp/ucx and put on LD_LIBRARY_PATH. Outputs in $OUT: build.log, <config>.{log,json},
 # pytest_*.log, summary.txt.
 set -uo pipefail
@@ -27,10 +28,16 @@ if ls .ucx/*.whl > /dev/null 2>&1; then
   UCX_ENV=(LD_LIBRARY_PATH="/tmp/ucx/libucx/lib:${LD_LIBRARY_PATH:-}")
   ls /tmp/ucx/libucx/lib >> "$OUT/summary.txt"
 fi
+{ echo "== what a remote transport would need here"
+  ls -l /dev/gdrdrv /dev/infiniband 2>&1; ls /sys/class/infiniband 2>&1
+  ldconfig -p | grep -E "libibverbs|libfabric|libgdrapi|libmlx5" || echo "no libibverbs / libfabric / libgdrapi / libmlx5 in ldconfig"
+  nvidia-smi -q | grep -i -E "compute mode|mps" ; } >> "$OUT/summary.txt" 2>&1
 NVL=$(python3 -c "import nvidia.nvshmem, os; print(os.path.join(nvidia.nvshmem.__path__[0], 'lib'))")
 echo "nvshmem lib: $(ls $NVL | tr '\n' ' ')" >> "$OUT/summary.txt"
+PROBES=${PROBES:-p2p p2p_staged ucx_default ucx_sm ucx_tcp ucx_tcp_only libfabric ibrc}
 probe() {  # name, env assignments...
   local name=$1; shift
+  case " $PROBES " in *" $name "*) ;; *) return 1 ;; esac
   timeout -k 5 ${PROBE_S:-75} env ODC_TRANSPORT=nvshmem "$@" torchrun --standalone --nproc-per-node=$NPROC \
       benchmarks/nvshmem_remote_probe.py --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -47,6 +54,7 @@ for cfg in "ucx_default:" "ucx_sm:UCX_TLS=sm,self,cuda_copy,cuda_ipc" "ucx_tcp:U
   [ -n "$tls" ] && e+=("$tls")
   if probe "$name" "${e[@]}" && [ ${#REMOTE[@]} -eq 0 ]; then REMOTE=("${e[@]}"); fi
 done
+probe libfabric NVSHMEM_DISABLE_P2P=1 NVSHMEM_REMOTE_TRANSPORT=libfabric NVSHMEM_DEBUG=INFO || true
 probe ibrc NVSHMEM_DISABLE_P2P=1 NVSHMEM_DEBUG=INFO || true
 T="tests/test_nvshmem.py::test_gpu_collectives_and_decoupled_over_nvshmem"
 timeout -k 5 200 env ODC_TEST_NVSHMEM_SHARED_GPU=1 python3 -m pytest -q -rA "$T" -k "all_peers" \
@@ -58,5 +66,9 @@ if [ ${#REMOTE[@]} -gt 0 ]; then
   echo "pytest remote (${REMOTE[*]}) rc=$?" | tee -a "$OUT/summary.txt"
 else
   echo "pytest remote: no remote configuration worked" | tee -a "$OUT/summary.txt"
+fi
+if [ -n "${EXTRA_TESTS:-}" ]; then  # e.g. the GPU tests the change could touch
+  timeout -k 5 ${EXTRA_TESTS_S:-280} python3 -m pytest -q -rA $EXTRA_TESTS > "$OUT/pytest_extra.log" 2>&1
+  echo "pytest $EXTRA_TESTS rc=$? ($(tail -1 "$OUT/pytest_extra.log"))" | tee -a "$OUT/summary.txt"
 fi
 cat "$OUT/summary.txt"

@@ -67,7 +67,8 @@ def main() -> int:
     dist.init_process_group("cpu:gloo,cuda:odc")  # ODC_TRANSPORT=nvshmem: brings NVSHMEM up
     res: dict = {"available": odc_nvshmem.available()}
     step(res, "status_after_init", odc_nvshmem.status)
-    step(res, "ring_selftest_1MiB", lambda: odc_nvshmem.ring_selftest(1 << 20))
+    if odc_nvshmem.status()["init_status"] != 3:  # limited MPG: NVSHMEM aborts on a barrier
+        step(res, "ring_selftest_1MiB", lambda: odc_nvshmem.ring_selftest(1 << 20))
     for n in (int(x) for x in args.sizes.split(",")):
         for dt in (torch.float32, torch.bfloat16):
             step(res, f"collectives_{n}_{str(dt)[6:]}", lambda: collectives(n, dt))

@@ -389,6 +389,11 @@ SelfTest ring_selftest(size_t bytes, void* stream_ptr) {
   ODC_CHECK(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED, Error,
             "odc nvshmem: not initialised (call torch_odc_backend.nvshmem.init() first)");
   ODC_CHECK(bytes > 0, ValueError, "odc nvshmem: self-test needs bytes > 0");
+  // NVSHMEM aborts the process on its barriers when PEs share a GPU without MPS
+  ODC_CHECK(nvshmemx_init_status() != NVSHMEM_STATUS_LIMITED_MPG, Error,
+            "odc nvshmem: the self-test needs NVSHMEM's barrier, which NVSHMEM does not offer "
+            "while several PEs share a GPU without MPS (limited MPG mode); odc's own transport "
+            "does not use it");
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   const int me = nvshmem_my_pe(), n = nvshmem_n_pes();
   const int next = (me + 1) % n, prev = (me + n - 1) % n;

@@ -128,15 +128,21 @@ std::string describe(const at::Tensor& t) {
   return cat(c10::toString(t.scalar_type()), "[", dims, "] on ", t.device());
 }
 
+namespace {
+std::vector<uint8_t> this_host() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return std::vector<uint8_t>(host, host + std::strlen(host));
+}
+}  // namespace
+
 #ifdef ODC_WITH_CUDA
 namespace {
 // Every rank's place: its host name, then '/' and its GPU's UUID.
 std::vector<std::vector<uint8_t>> gpu_places(const TransportArgs& a, int device) {
   cudaDeviceProp prop;
   C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  std::vector<uint8_t> mine(host, host + std::strlen(host));
+  std::vector<uint8_t> mine = this_host();
   mine.push_back('/');
   mine.insert(mine.end(), prop.uuid.bytes, prop.uuid.bytes + sizeof(prop.uuid.bytes));
   return exchange_blobs(a, "device", mine);
@@ -354,6 +360,16 @@ Channel& OdcBackend::channel(const c10::Device& device) {
     } else {
       ODC_CHECK(device.is_cpu(), ValueError, "odc: unsupported device ", device,
                         " (odc moves CPU and CUDA tensors)");
+      // Shared memory reaches only this host's processes: say so instead of timing out.
+      const auto hosts = exchange_blobs(a, "host", this_host());
+      for (int r = 0; r < getSize(); ++r) {
+        ODC_CHECK(hosts[r] == hosts[getRank()], ValueError, "odc: group '", group_name_,
+                  "': rank ", r, " runs on host '", std::string(hosts[r].begin(), hosts[r].end()),
+                  "' and this rank (", getRank(), ") on '",
+                  std::string(hosts[getRank()].begin(), hosts[getRank()].end()),
+                  "'; odc moves CPU tensors through this host's shared memory only. Across hosts, "
+                  "let gloo move CPU tensors: init_process_group('cpu:gloo,cuda:odc')");
+      }
       ch.transport = std::make_unique<ShmTransport>(a);
     }
   } catch (const c10::Error&) {

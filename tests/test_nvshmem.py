@@ -67,6 +67,30 @@ def test_odc_transport_knob(monkeypatch):
         config.knobs()
 
 
+def test_nvshmem_stage_knob_and_routing(monkeypatch):
+    """ODC_NVSHMEM_STAGE parses; routes_some_peer says which groups reach a peer over NVSHMEM
+    (where odc.decouple then picks accumulate="local" by itself)."""
+    from torch_odc_backend import config
+
+    for raw, always in (("", False), ("auto", False), ("ALWAYS", True)):
+        monkeypatch.setenv("ODC_NVSHMEM_STAGE", raw)
+        assert config.knobs().nvshmem_stage_always is always
+    monkeypatch.setenv("ODC_NVSHMEM_STAGE", "never")
+    with pytest.raises(ValueError, match="ODC_NVSHMEM_STAGE='never'"):
+        config.knobs()
+    monkeypatch.delenv("ODC_NVSHMEM_STAGE")
+    monkeypatch.delenv("ODC_TRANSPORT", raising=False)
+    monkeypatch.delenv("ODC_HOST_SIZE", raising=False)
+    assert not odc_nvshmem.routes_some_peer([0, 1, 2, 3])  # one host
+    monkeypatch.setenv("ODC_HOST_SIZE", "2")
+    assert odc_nvshmem.routes_some_peer([0, 1, 2, 3]) and odc_nvshmem.routes_some_peer([1, 2])
+    assert not odc_nvshmem.routes_some_peer([2, 3])  # one "host" of the split
+    monkeypatch.setenv("ODC_TRANSPORT", "ipc")
+    assert not odc_nvshmem.routes_some_peer([0, 1, 2, 3])
+    monkeypatch.setenv("ODC_TRANSPORT", "nvshmem")
+    assert odc_nvshmem.routes_some_peer([2, 3]) and not odc_nvshmem.routes_some_peer([3])
+
+
 def test_default_group_creation_brings_nvshmem_up(tmp_path, monkeypatch):
     """The default group's odc backend calls the NVSHMEM hook (with its store, rank and
     world) as it is created; later groups do not (their creation is not world-collective)."""
@@ -167,7 +191,8 @@ def _cross_host_subgroup_check(rank, world):
 # the slab) although NVSHMEM maps the peer
 SPLITS = {"all_peers_nvshmem": (2, {"ODC_TRANSPORT": "nvshmem"}),
           "all_peers_staged": (2, {"ODC_TRANSPORT": "nvshmem", "ODC_NVSHMEM_STAGE": "always"}),
-          "two_hosts_of_two": (4, {"ODC_HOST_SIZE": "2"})}
+          "two_hosts_of_two": (4, {"ODC_HOST_SIZE": "2"}),
+          "two_hosts_staged": (4, {"ODC_HOST_SIZE": "2", "ODC_NVSHMEM_STAGE": "always"})}
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

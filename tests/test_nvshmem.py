@@ -324,3 +324,47 @@ def test_gpu_nvshmem_joins_pytorch_symmetric_memory():
     for rank, (up_before, fresh, mismatched, ok, routed) in results.items():
         assert up_before and fresh is False, (rank, up_before, fresh)
         assert mismatched == 0 and ok and routed > 0, (rank, mismatched, ok, routed)
+
+
+_UNREACHABLE_PEER = r'''
+import os, sys, datetime, torch, torch.distributed as dist
+import torch_odc_backend  # noqa: F401
+rank = int(sys.argv[1])
+torch.cuda.set_device(rank % torch.cuda.device_count())
+dist.init_process_group("cpu:gloo,cuda:odc", store=dist.FileStore(sys.argv[2], 2), rank=rank,
+                        world_size=2, timeout=datetime.timedelta(seconds=60))
+print("initialised", flush=True)
+'''
+
+
+def _has_rdma_device() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not odc_nvshmem.available(),
+                    reason="needs a CUDA GPU and an ODC_WITH_NVSHMEM=1 build")
+def test_gpu_unreachable_peer_is_explained(tmp_path):
+    """With peer-to-peer off and no NIC, NVSHMEM finds no transport to the other rank and ends
+    the process itself during init_process_group; odc's exit handler says what to check."""
+    import subprocess
+    import sys
+
+    if _has_rdma_device() or os.path.exists("/dev/gdrdrv"):
+        pytest.skip("this machine has an RDMA device or GDRCopy: NVSHMEM may reach the peer")
+    env = dict(os.environ, **GPU_ENV, ODC_TRANSPORT="nvshmem", NVSHMEM_DISABLE_P2P="1")
+    env.pop("NVSHMEM_REMOTE_TRANSPORT", None)
+    script = tmp_path / "peer.py"
+    script.write_text(_UNREACHABLE_PEER)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode != 0 and "initialised" not in out, (r, p.returncode, out[-2000:])
+        assert f"odc nvshmem (rank {r})" in err and "NVSHMEM_REMOTE_TRANSPORT" in err, (r, err[-3000:])

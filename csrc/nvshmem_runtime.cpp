@@ -5,7 +5,6 @@
 #include <nvshmem_host.h>
 #include <host/nvshmemx_coll_api.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <algorithm>
 #include <atomic>
@@ -46,25 +45,6 @@ constexpr size_t kStageBytes = size_t{2} << 20;
 
 void check_cuda(cudaError_t e, const char* what) {
   ODC_CHECK(e == cudaSuccess, Error, "odc nvshmem: ", what, " failed: ", cudaGetErrorString(e));
-}
-
-// NVSHMEM ends the process itself (exit) when its initialisation finds no transport to some
-// PE, so no error can be raised: an exit handler says what odc was doing and what to check.
-std::atomic<int> initialising_rank{-1};
-
-void explain_exit_during_init() {
-  const int rank = initialising_rank.load();
-  if (rank < 0) return;
-  std::fprintf(stderr,
-               "odc nvshmem (rank %d): NVSHMEM ended the process while odc initialised it. The "
-               "usual cause is a peer NVSHMEM cannot reach: peers on other hosts need a remote "
-               "transport that works there (NVSHMEM_REMOTE_TRANSPORT: ibrc, the default, or ucx "
-               "or libfabric, with NIC and GPUDirect RDMA; NVSHMEM_HCA_LIST picks NICs), and the "
-               "unique-id bootstrap reaches rank 0's host over NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME. "
-               "NVSHMEM_DEBUG=INFO prints NVSHMEM's reasons. ODC_HOST_SIZE / ODC_TRANSPORT decide "
-               "which peers odc routes over NVSHMEM.\n",
-               rank);
-  std::fflush(stderr);
 }
 
 void set_default_env(const char* name, const std::string& value) {
@@ -147,11 +127,10 @@ bool init(const std::vector<uint8_t>& id, int global_rank, int world, int device
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
     ODC_CHECK(nvshmemx_set_attr_uniqueid_args(global_rank, world, &uid, &attr) == 0, Error,
               "odc nvshmem: nvshmemx_set_attr_uniqueid_args failed");
-    static std::once_flag exit_handler;
-    std::call_once(exit_handler, [] { std::atexit(explain_exit_during_init); });
-    initialising_rank.store(global_rank);
+    // When it finds no transport to some PE, NVSHMEM 3.4.5 ends the process itself (exit
+    // status 255, "Unable to initialize any transports"; README, Limitations); an exit handler
+    // of ours cannot speak then (NVSHMEM's own handlers exit again first).
     const int rc = nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
-    initialising_rank.store(-1);
     ODC_CHECK(rc == 0, Error, "odc nvshmem: initialisation failed (rank ", global_rank, " of ",
               world, "); NVSHMEM_DEBUG=INFO prints NVSHMEM's reasons (peers on other hosts need "
               "a working NVSHMEM_REMOTE_TRANSPORT)");

@@ -346,9 +346,9 @@ def _has_rdma_device() -> bool:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not odc_nvshmem.available(),
                     reason="needs a CUDA GPU and an ODC_WITH_NVSHMEM=1 build")
-def test_gpu_unreachable_peer_is_explained(tmp_path):
+def test_gpu_unreachable_peer_ends_the_process_not_hangs(tmp_path):
     """With peer-to-peer off and no NIC, NVSHMEM finds no transport to the other rank and ends
-    the process itself during init_process_group; odc's exit handler says what to check."""
+    the process itself during init_process_group (no hang; the README says what to check)."""
     import subprocess
     import sys
 
@@ -367,4 +367,4 @@ def test_gpu_unreachable_peer_is_explained(tmp_path):
             p.kill()
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode != 0 and "initialised" not in out, (r, p.returncode, out[-2000:])
-        assert f"odc nvshmem (rank {r})" in err and "NVSHMEM_REMOTE_TRANSPORT" in err, (r, err[-3000:])
+        assert "Unable to initialize any transports" in err, (r, err[-3000:])

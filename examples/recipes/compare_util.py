@@ -1,6 +1,8 @@
-"""Shared by the ``compare`` commands of hf_trainer_fsdp2.py and lightning_fsdp2.py: the
-environment of the runs, launching them with a log each, comparing per-step losses, and the
-verdict (printed; the exit status is non-zero when a check fails)."""
+"""Shared by the recipes' ``compare`` commands (hf_trainer_fsdp2.py, lightning_fsdp2.py,
+megatron_fsdp_recipe.py): the environment of the runs, launching them with a log each,
+passing the model's arguments on, comparing per-step losses, and the verdict (printed; the
+exit status is non-zero when a check fails). Also the command-line arguments of the HF and
+Lightning recipes' common workload."""
 from __future__ import annotations
 
 import json
@@ -50,6 +52,41 @@ def run(cmd: list[str], env: dict, log: Path, out: Path, timeout: float) -> dict
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"{' '.join(cmd)}\nexited with {proc.returncode}; log {log}:\n{log.read_text()[-6000:]}")
     return dict(json.loads(out.read_text()), wall_s=round(time.time() - t0, 1), log=str(log))
+
+
+# The long-tailed workload and tiny model of the HF and Lightning recipes; each names its
+# model-width flag (--hidden, --d-model).
+WORKLOAD_ARGS = ("steps", "seed", "docs_per_step", "micro_docs", "max_tokens", "min_len", "max_len",
+                 "layers", "heads", "vocab", "lr", "clip")
+
+
+def add_workload_args(p, width: str) -> None:
+    """Add the workload's arguments to parser ``p``; ``width`` is the width flag's attribute."""
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--docs-per-step", type=int, default=16, help="documents per optimizer step (all ranks)")
+    p.add_argument("--micro-docs", type=int, default=4, help="documents per microbatch (exact mode)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="token cap of an LB-Mini microbatch (decoupled mode; default --max-len)")
+    p.add_argument("--min-len", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument(f"--{width.replace('_', '-')}", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+
+
+def as_argv(a, names) -> list[str]:
+    """The values of ``names`` in the parsed arguments ``a`` as flags, to pass them on to a
+    run (unset ones left out)."""
+    argv = []
+    for k in names:
+        v = getattr(a, k)
+        if v is not None:
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
 
 
 def compare_losses(got: list[float], ref: list[float], rtol: float) -> dict:

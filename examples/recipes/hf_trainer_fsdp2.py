@@ -419,11 +419,7 @@ def compare(a) -> int:
                          "--device cpu runs the test-only CPU shim)")
     per_rank_device = a.device == "cpu" or gpus >= a.nproc
     env = cu.base_env(work, CPU_SHIM if a.device == "cpu" else None)
-    model_args = []
-    for k in MODEL_ARGS:
-        v = getattr(a, k)
-        if v is not None:
-            model_args += [f"--{k.replace('_', '-')}", str(v)]
+    model_args = cu.as_argv(a, cu.WORKLOAD_ARGS + ("hidden",))
     script = Path(__file__).resolve()
     runs: dict = {}
     result = {"device_type": a.device, "gpus": gpus, "nproc": a.nproc,
@@ -490,29 +486,9 @@ def compare(a) -> int:
 
 
 # --------------------------------------------------------------------------- CLI
-MODEL_ARGS = ("steps", "seed", "docs_per_step", "micro_docs", "max_tokens", "min_len", "max_len", "layers",
-              "hidden", "heads", "vocab", "lr", "clip")
-
-
-def add_model_args(p) -> None:
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--docs-per-step", type=int, default=16, help="documents per optimizer step (all ranks)")
-    p.add_argument("--micro-docs", type=int, default=4, help="documents per microbatch (exact mode)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="token cap of an LB-Mini microbatch (decoupled mode; default --max-len)")
-    p.add_argument("--min-len", type=int, default=4)
-    p.add_argument("--max-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
-
-
 def main(argv=None) -> int:
     sys.path.insert(0, str(HERE))  # odc_stats, compare_util, odc_entry_point
+    import compare_util as cu
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="under torchrun: the Trainer with FSDP2")
@@ -521,12 +497,12 @@ def main(argv=None) -> int:
                    help="TrainingArguments.ddp_backend: odc (default), cpu:gloo,cuda:odc, nccl, ... or "
                         "'unset' (accelerate chooses)")
     p.add_argument("--decoupled", action="store_true", help="odc decoupled mode + LB-Mini (a callback)")
-    add_model_args(p)
+    cu.add_workload_args(p, "hidden")
     p = sub.add_parser("reference", help="one process doing the work of --world ranks")
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
-    add_model_args(p)
+    cu.add_workload_args(p, "hidden")
     p = sub.add_parser("compare", help="odc runs against the reference; verdict and exit status")
     p.add_argument("--work", required=True, help="folder for results and logs")
     p.add_argument("--nproc", type=int, default=2)
@@ -536,7 +512,7 @@ def main(argv=None) -> int:
                    help="comma-separated: odc, decoupled, switch, single")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative loss tolerance where not bitwise")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    add_model_args(p)
+    cu.add_workload_args(p, "hidden")
     a = parser.parse_args(argv)
     if a.cmd == "compare":
         return compare(a)

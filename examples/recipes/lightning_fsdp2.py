@@ -62,10 +62,11 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from tiny_lm import TinyLM  # noqa: E402  (beside this file)
 
 try:  # the `lightning` package, or the standalone `pytorch-lightning`
     import lightning.pytorch as pl  # noqa: E402
@@ -80,42 +81,6 @@ HERE = Path(__file__).resolve().parent
 
 
 # --------------------------------------------------------------------------- model
-class Block(nn.Module):
-    def __init__(self, d_model: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-        self.fc1, self.fc2 = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(d, dim=-1))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # padding is at the end
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, seq: int):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
-        self.ln_f, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln_f(x))
-
-
 def build_model(a) -> TinyLM:
     torch.manual_seed(a.seed)  # the same initial weights on every rank and in every run
     return TinyLM(a.vocab, a.d_model, a.heads, a.layers, a.max_len)
@@ -433,11 +398,7 @@ def compare(a) -> int:
         raise SystemExit("--device cuda: no GPU here")
     per_rank_device = a.device == "cpu" or gpus >= a.nproc
     env = cu.base_env(work)
-    model_args = ["--device", a.device]
-    for k in MODEL_ARGS:
-        v = getattr(a, k)
-        if v is not None:
-            model_args += [f"--{k.replace('_', '-')}", str(v)]
+    model_args = ["--device", a.device, *cu.as_argv(a, cu.WORKLOAD_ARGS + ("d_model",))]
     script = Path(__file__).resolve()
     runs: dict = {}
     result = {"device_type": a.device, "gpus": gpus, "nproc": a.nproc,
@@ -494,29 +455,9 @@ def compare(a) -> int:
 
 
 # --------------------------------------------------------------------------- CLI
-MODEL_ARGS = ("steps", "seed", "docs_per_step", "micro_docs", "max_tokens", "min_len", "max_len", "layers",
-              "d_model", "heads", "vocab", "lr", "clip")
-
-
-def add_model_args(p) -> None:
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--docs-per-step", type=int, default=16, help="documents per optimizer step (all ranks)")
-    p.add_argument("--micro-docs", type=int, default=4, help="documents per microbatch (exact mode)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="token cap of an LB-Mini microbatch (decoupled mode; default --max-len)")
-    p.add_argument("--min-len", type=int, default=4)
-    p.add_argument("--max-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
-
-
 def main(argv=None) -> int:
     sys.path.insert(0, str(HERE))  # odc_stats, compare_util, odc_entry_point
+    import compare_util as cu
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="under torchrun: Lightning ModelParallelStrategy + FSDP2")
@@ -527,12 +468,12 @@ def main(argv=None) -> int:
                         "or any init_process_group backend string")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--decoupled", action="store_true", help="odc decoupled mode + LB-Mini (manual optimization)")
-    add_model_args(p)
+    cu.add_workload_args(p, "d_model")
     p = sub.add_parser("reference", help="one process doing the work of --world ranks")
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--out", required=True)
-    add_model_args(p)
+    cu.add_workload_args(p, "d_model")
     p = sub.add_parser("compare", help="odc runs against the reference(s); verdict and exit status")
     p.add_argument("--work", required=True, help="folder for results and logs")
     p.add_argument("--nproc", type=int, default=2)
@@ -541,7 +482,7 @@ def main(argv=None) -> int:
                    help="comma-separated: odc, switch, decoupled, default, single")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative loss tolerance where not bitwise")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    add_model_args(p)
+    cu.add_workload_args(p, "d_model")
     a = parser.parse_args(argv)
     if a.cmd != "compare" and a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"

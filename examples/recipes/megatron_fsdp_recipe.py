@@ -42,54 +42,19 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from tiny_lm import Block, TinyLM  # noqa: E402  (beside this file)
 
 STRIDES = (1, 2, 3, 5)
 REPO = Path(__file__).resolve().parents[2]
 CPU_SHIM = REPO / "tests" / "integrations" / "megatron_fsdp_cpu_shim"
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(d, dim=-1))
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln_f(x))
 
 
 def batch(a, rank: int, step: int, device) -> torch.Tensor:
@@ -235,20 +200,10 @@ def run_training(a) -> None:
 
 
 # ------------------------------------------------------------------------------ compare
-def _run(cmd, env, log: Path, timeout: float) -> float:
-    t0 = time.time()
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[-3] if len(cmd) > 3 else cmd} exited with {proc.returncode}; log {log}:\n"
-                           f"{log.read_text()[-6000:]}")
-    return round(time.time() - t0, 1)
-
-
 def compare(a) -> dict:
-    import odc_entry_point  # beside this file
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import compare_util as cu  # beside this file
+    import odc_entry_point
 
     work = Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -263,29 +218,21 @@ def compare(a) -> dict:
     if "default" in references and not per_rank_device:
         raise SystemExit(f"--reference default needs a GPU per rank ({a.nproc}); {gpus} here "
                          "(NCCL refuses ranks sharing a GPU): use --reference single")
-    env = {k: v for k, v in os.environ.items() if k != "ODC_DEFAULT_BACKEND"}
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})  # the same CPU kernels in every run
-    path = [str(CPU_SHIM)] if a.device == "cpu" else []
-    path += [str(REPO)] + ([str(d)] if (d := odc_entry_point.ensure(work / "odc_entry_point")) else [])
-    env["PYTHONPATH"] = os.pathsep.join(path + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    model = []
-    for k in MODEL_ARGS:
-        model += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
-                str(Path(__file__).resolve()), "train"]
-    runs = {}
-    wall = _run(torchrun + ["--out", str(work / "odc.json"), *model],
-                dict(env, ODC_DEFAULT_BACKEND=a.device), work / "odc.log", a.timeout)
-    runs["odc"] = dict(json.loads((work / "odc.json").read_text()), wall_s=wall)
+    env = cu.base_env(work, CPU_SHIM if a.device == "cpu" else None)
+    model = cu.as_argv(a, MODEL_ARGS)
+    script = Path(__file__).resolve()
+    runs = {"odc": cu.run(cu.torchrun(a.nproc, script, "train", "--out", str(work / "odc.json"), *model),
+                          dict(env, ODC_DEFAULT_BACKEND=a.device), work / "odc.log", work / "odc.json",
+                          a.timeout)}
     for ref in references:
         if ref == "default":
             name = {"cuda": "nccl", "cpu": "gloo"}[a.device]
-            wall = _run(torchrun + ["--out", str(work / f"{name}.json"), *model], env, work / f"{name}.log", a.timeout)
+            cmd = cu.torchrun(a.nproc, script, "train", "--out", str(work / f"{name}.json"), *model)
         else:
             name = "single"
-            wall = _run([sys.executable, str(Path(__file__).resolve()), "reference", "--world", str(a.nproc),
-                         "--out", str(work / "single.json"), *model], env, work / "single.log", a.timeout)
-        runs[name] = dict(json.loads((work / f"{name}.json").read_text()), wall_s=wall)
+            cmd = [sys.executable, str(script), "reference", "--world", str(a.nproc),
+                   "--out", str(work / "single.json"), *model]
+        runs[name] = cu.run(cmd, env, work / f"{name}.log", work / f"{name}.json", a.timeout)
     got = runs["odc"]
     result = {"device_type": a.device, "gpus": gpus, "nproc": a.nproc,
               "ranks_share_gpus": a.device == "cuda" and gpus < a.nproc,

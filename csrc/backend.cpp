@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <exception>  // std::uncaught_exceptions
 #include <cstring>
 
 #include "text.hpp"
@@ -482,6 +483,13 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
   }
 #endif
   try {
+    // One collective of the group: numbered and announced to the peers (protocol.hpp).
+    struct Bracket {
+      Protocol& p;
+      const int unwinding = std::uncaught_exceptions();
+      explicit Bracket(Protocol& p) : p(p) { p.begin_collective(); }
+      ~Bracket() { p.end_collective(std::uncaught_exceptions() > unwinding); }
+    } bracket(*ch.protocol);
     body(ch, stream, seq);
   } catch (const c10::Error&) {
     // Argument errors are raised before anything is issued; anything later is fatal.

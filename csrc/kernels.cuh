@@ -13,7 +13,8 @@ namespace odc {
 // Written by a device-side wait that timed out or found a peer's descriptor different
 // from this rank's; read by the host (mapped memory).
 struct DeviceError {
-  int code;  // 0: none, 1: a wait timed out, 2: a descriptor mismatch
+  int code;  // 0: none, 1: a wait timed out, 2: a descriptor mismatch, 3: a peer announced
+             // another collective at this point (mine / theirs: the announcements)
   int peer;
   unsigned long long op_seq;
   unsigned long long target;  // timeout: the counter value waited for, and the one seen;
@@ -25,7 +26,7 @@ struct DeviceError {
 };
 
 constexpr int kMaxPeers = 64;
-constexpr int kSignalBatches = 3;  // e.g. descriptors, chunk numbers, the counters announcing data
+constexpr int kSignalBatches = 4;  // e.g. the announcement, descriptors, chunk numbers, the data counters
 
 // Store each batch of signals in order (batch b's value into its counters: announcing
 // the work that precedes this kernel on its stream), then wait until every wait counter
@@ -47,6 +48,8 @@ struct FlagOp {
   const char* op;
   const char* what;
   DeviceError* err;
+  const uint64_t* watch_slots;    // PeerWatch: this rank's announce slots (null: no watch)
+  unsigned long long watch_word;  // and this rank's own announcement
 };
 
 struct ReduceOpArgs {
@@ -96,6 +99,8 @@ struct FusedOp {
   unsigned long long op_seq;
   const char* op;
   DeviceError* err;
+  const uint64_t* watch_slots;    // PeerWatch, as in FlagOp
+  unsigned long long watch_word;
 };
 static_assert(sizeof(FusedOp) <= 4000, "kernel parameters are limited to 4 KiB");
 static_assert(sizeof(FlagOp) <= 4000, "kernel parameters are limited to 4 KiB");

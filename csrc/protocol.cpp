@@ -56,8 +56,9 @@ WindowLayout::WindowLayout(int world_, size_t chunk_bytes_, int slots_)
   }
   flags_bytes = static_cast<size_t>(kNumFlagArrays) * world * kFlagStride;
   descs = flags_bytes;
-  const size_t desc_end = descs + static_cast<size_t>(kNumDescArrays) * world * slots * kDescBytes;
-  ag_ring = (desc_end + 4095) / 4096 * 4096;
+  announce = descs + static_cast<size_t>(kNumDescArrays) * world * slots * kDescBytes;
+  const size_t announce_end = announce + static_cast<size_t>(world) * kAnnounceSlots * 8;
+  ag_ring = (announce_end + 4095) / 4096 * 4096;
   rs_ring = ag_ring + static_cast<size_t>(slots) * chunk_bytes;
   total = rs_ring + static_cast<size_t>(world) * slots * chunk_bytes;
 }
@@ -86,6 +87,30 @@ void Protocol::store_desc(int lane, const std::vector<uint64_t*>& at, uint64_t d
   t_->signal(lane, ids, g);
 }
 
+void Protocol::begin_collective() {
+  ++collectives_;
+  unannounced_ = true;
+}
+
+void Protocol::end_collective(bool failed) {
+  if (failed && unannounced_) --collectives_;
+  unannounced_ = false;
+  t_->watch(PeerWatch{});
+}
+
+void Protocol::announce(uint64_t desc) {
+  if (!unannounced_) return;
+  unannounced_ = false;
+  if (desc == 0 || world_ == 1) return;
+  const uint64_t word = announce_word(desc, collectives_);
+  std::vector<uint64_t*> at;
+  for (int p : peers_but_me()) {
+    at.push_back(reinterpret_cast<uint64_t*>(t_->window(p) + layout_.announce_slot(rank_, collectives_)));
+  }
+  t_->signal(0, at, word);
+  t_->watch(PeerWatch{reinterpret_cast<const uint64_t*>(t_->window(rank_) + layout_.announce), word});
+}
+
 std::vector<int> Protocol::peers_but_me() const {
   std::vector<int> out;
   for (int p = 0; p < world_; ++p) if (p != rank_) out.push_back(p);
@@ -110,6 +135,7 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
   const char* in_b = static_cast<const char*>(in);
   char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
   const bool copy_own = my_part != in_b && shard_bytes > 0;
+  announce(desc);
   if (world_ == 1) {
     if (copy_own) t_->copy(0, my_part, in_b, shard_bytes);
     return;
@@ -158,6 +184,7 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
 
 // The all-gather with one owner: the root publishes, the others get.
 void Protocol::broadcast(void* buf, size_t bytes, int root, uint64_t op_seq, uint64_t desc) {
+  announce(desc);
   if (world_ == 1) return;
   char* b = static_cast<char*>(buf);
   const size_t C = layout_.chunk_bytes;
@@ -219,6 +246,7 @@ void Protocol::put_chunk(int lane, int p, uint64_t g, const char* src, size_t le
 // checks every sender's before reducing.
 void Protocol::reduce_scatter(void* out, const void* in, size_t out_numel, size_t elem_size,
                               const ReduceSpec& spec, uint64_t op_seq, uint64_t desc) {
+  announce(desc);
   char* out_b = static_cast<char*>(out);
   const char* in_b = static_cast<const char*>(in);
   const size_t part_bytes = out_numel * elem_size;
@@ -283,6 +311,7 @@ void Protocol::exchange(void* out, const void* in, const Exchange& x, uint64_t o
   const size_t C = layout_.chunk_bytes;
   const char* op = x.kind == OpKind::AllToAll ? "all_to_all"
                    : x.kind == OpKind::Scatter ? "scatter" : "gather";
+  announce(x.check ? op_desc(x.kind, x.scalar_type, 0, 0, x.root) : 0);
   std::vector<uint64_t> n_send(world_, 0), n_recv(world_, 0);
   uint64_t rounds = 0;
   for (int p = 0; p < world_; ++p) {

@@ -51,6 +51,34 @@ struct OpDescFields {
 };
 OpDescFields decode_op_desc(uint64_t desc);
 
+// Every collective a rank starts is *announced* to each peer before its first transfer:
+// one word in the peer's window, slot [announcer][number % kAnnounceSlots], holding the
+// collective's kind (its descriptor's kind bits: dtype, sizes, reduce op and root are
+// checked with the data, as before) and, in the low 40 bits, the
+// collective's number on that channel (1, 2, ...; ranks issue the same collectives in the
+// same order, so the numbers agree). A wait that spins on a peer also watches the slot of
+// that peer for its own number: a peer that announced a *different* collective under the
+// same number (one rank all-gathers while the other reduce-scatters) fails the wait at
+// once, naming both, instead of after the group's timeout.
+constexpr int kAnnounceSlots = 16;
+constexpr uint64_t kAnnounceSeqMask = (uint64_t{1} << 40) - 1;
+inline uint64_t announce_word(uint64_t desc, uint64_t number) {
+  constexpr uint64_t kKindBits = uint64_t{15} << 60;  // bit 63 (a descriptor) and the kind
+  return (desc & kKindBits) | (number & kAnnounceSeqMask);
+}
+// What a wait watches while it spins (no watch: slots == nullptr).
+struct PeerWatch {
+  const uint64_t* slots = nullptr;  // this rank's announce slots, [world][kAnnounceSlots]
+  uint64_t word = 0;                // this rank's own announcement of the collective
+  const uint64_t* slot_of(int peer) const {
+    return slots + static_cast<size_t>(peer) * kAnnounceSlots + (word & kAnnounceSeqMask) % kAnnounceSlots;
+  }
+  // Whether `theirs` (read from slot_of(peer)) announces another collective under our number.
+  bool differs(uint64_t theirs) const {
+    return (theirs & kAnnounceSeqMask) == (word & kAnnounceSeqMask) && theirs != word;
+  }
+};
+
 // How values combine, element by element across ranks, in rank order (deterministic):
 // Sum (AVG and PREMUL_SUM are a Sum times `scale`), Max, Min or Product; accumulated in
 // fp32 for the 16- and 32-bit floats, fp64 for float64, int64 for integers, and rounded
@@ -80,6 +108,7 @@ struct WindowLayout {
   // the sequence number of the chunk it came with.
   static constexpr size_t kDescBytes = 16;
   size_t descs = 0;
+  size_t announce = 0;  // offset of the announce slots: [world][kAnnounceSlots] words
   size_t ag_ring = 0;  // offset of the AG ring (slots * chunk_bytes)
   size_t rs_ring = 0;  // offset of the RS landing rings (world * slots * chunk_bytes)
   size_t total = 0;
@@ -92,6 +121,9 @@ struct WindowLayout {
   // window of the rank that waits for that chunk).
   size_t desc(Desc kind, int peer, uint64_t chunk) const {
     return descs + ((static_cast<size_t>(kind) * world + peer) * slots + chunk % slots) * kDescBytes;
+  }
+  size_t announce_slot(int announcer, uint64_t number) const {
+    return announce + (static_cast<size_t>(announcer) * kAnnounceSlots + number % kAnnounceSlots) * 8;
   }
   size_t ag_slot(uint64_t chunk) const { return ag_ring + (chunk % slots) * chunk_bytes; }
   size_t rs_slot(int src, uint64_t chunk) const {
@@ -143,6 +175,9 @@ class Transport {
   virtual void end_op() {}
   // A failure recorded asynchronously (e.g. by a device-side wait), or "".
   virtual std::string async_error() { return {}; }
+  // The peers' announcements the waits of the collective in progress watch (PeerWatch;
+  // set by the protocol at a collective's first transfer, cleared at its end).
+  void watch(const PeerWatch& w) { watch_ = w; }
 
   // ---- Decoupled mode: more regions per rank ("arenas", one per decoupled model),
   // created collectively; returns the arena's id.
@@ -158,6 +193,7 @@ class Transport {
 
  protected:
   [[noreturn]] static void unsupported(const char* what);
+  PeerWatch watch_;
 };
 
 // Drives the collectives over a transport. Chunk counters advance identically on
@@ -194,6 +230,14 @@ class Protocol {
   };
   void exchange(void* out, const void* in, const Exchange& x, uint64_t op_seq);
 
+  // Bracket one collective of the group (the backend's launch): numbers it, and lets its
+  // first transfer announce it to the peers (kAnnounceSlots). Decoupled mode's one-sided
+  // operations are not collectives: they are never numbered or announced.
+  // A collective that failed before its first transfer (an argument error) gives its
+  // number back: the ranks' numbers stay in step.
+  void begin_collective();
+  void end_collective(bool failed = false);
+
   const WindowLayout& layout() const { return layout_; }
 
  private:
@@ -201,6 +245,9 @@ class Protocol {
   uint64_t* desc_in(int owner, WindowLayout::Desc kind, int peer, uint64_t chunk);
   std::vector<int> peers_but_me() const;
   uint64_t chunks(size_t bytes, bool at_least_one) const;
+  // At a collective's first transfer: store its announcement (desc without the byte count;
+  // 0: unchecked, nothing announced) in every peer's window and watch theirs.
+  void announce(uint64_t desc);
   // Before announcing chunk g: store the descriptor and g where the waiting ranks check them.
   void store_desc(int lane, const std::vector<uint64_t*>& at, uint64_t desc, uint64_t g);
   // Put chunk g of mine into p's landing ring (waiting for the slot), with its descriptor.
@@ -214,6 +261,8 @@ class Protocol {
   std::vector<uint64_t> ag_pub_;     // per owner: chunks it published into its AG ring
   std::vector<uint64_t> rs_sent_;    // per peer: chunks this rank put into its landing ring
   std::vector<uint64_t> rs_landed_;  // per peer: chunks it put into this rank's landing ring
+  uint64_t collectives_ = 0;          // collectives begun on this channel
+  bool unannounced_ = false;          // the one in progress has not announced itself yet
 };
 
 // Decoupled mode's persistent state, per rank: for every parameter group g the

@@ -55,6 +55,27 @@ std::string describe_desc(uint64_t desc) {
   return cat(kind, " of ", f.bytes, per, type, op, ")", rooted ? cat(" from/to root ", f.root) : "");
 }
 
+namespace {
+// "reduce_scatter": an announcement's collective (protocol.hpp, announce_word).
+const char* collective_name(uint64_t word) {
+  static const char* const kKinds[] = {"unknown collective", "all_gather", "reduce_scatter",
+                                       "all_reduce", "broadcast", "all_to_all", "scatter",
+                                       "gather"};
+  const int k = static_cast<int>(decode_op_desc(word).kind);
+  return k >= 1 && k <= 7 ? kKinds[k] : kKinds[0];
+}
+}  // namespace
+
+std::string describe_announced(const WaitSite& site, int rank, int peer, uint64_t mine,
+                               uint64_t theirs) {
+  return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer,
+             " issued a different collective than this rank (rank ", rank,
+             ") at the same point: this rank called ", collective_name(mine), ", rank ", peer,
+             " called ", collective_name(theirs),
+             ". Every rank of a group must issue the same collectives in the same order. "
+             "The group cannot be used any more.");
+}
+
 std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t mine,
                               uint64_t theirs, uint64_t chunk, uint64_t their_chunk) {
   const char* end = ". The group cannot be used any more.";

@@ -41,5 +41,9 @@ std::string describe_desc(uint64_t desc);
 // `peer` stored `theirs` with chunk `their_chunk`.
 std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t mine,
                               uint64_t theirs, uint64_t chunk, uint64_t their_chunk);
+// The error of a watched wait (PeerWatch): `peer` announced `theirs` under the number of
+// this rank's announcement `mine`.
+std::string describe_announced(const WaitSite& site, int rank, int peer, uint64_t mine,
+                               uint64_t theirs);
 
 }  // namespace odc

@@ -213,7 +213,10 @@ void CudaIpcTransport::watchdog_loop() {
         it->started = true;
         it->started_at = now;
       }
-      if (it->started && !released && now - it->started_at > a_.timeout) {
+      if (it->started && !released && it->watch.slots && now - it->started_at > kWatchAfter &&
+          announced_other(*it)) {
+        released = diagnose_and_release(*it);  // the error is recorded: releases everything
+      } else if (it->started && !released && now - it->started_at > a_.timeout) {
         released = diagnose_and_release(*it);
         if (!released) it->started_at = now;  // its waits are met: slow, not stuck
       } else if (released) {
@@ -225,6 +228,34 @@ void CudaIpcTransport::watchdog_loop() {
     }
     (void)cudaGetLastError();  // cudaErrorNotReady from the queries
   }
+}
+
+// Stream memory operations cannot watch the peers' announcements themselves (PeerWatch):
+// the watchdog reads the slots of the peers an unfinished operation waits for, and
+// records a peer that announced another collective at this point.
+bool CudaIpcTransport::announced_other(const Tracked& op) {
+  for (const WaitRec& w : op.waits) {
+    uint64_t theirs = 0;
+    if (cudaMemcpyAsync(&theirs, op.watch.slot_of(w.peer), sizeof(theirs), cudaMemcpyDeviceToHost,
+                        wd_stream_) != cudaSuccess ||
+        cudaStreamSynchronize(wd_stream_) != cudaSuccess) {
+      return false;
+    }
+    if (!op.watch.differs(theirs)) continue;
+    volatile DeviceError* e = err_host_;
+    if (e->code == 0) {
+      e->peer = w.peer;
+      e->op_seq = w.site.op_seq;
+      e->mine = op.watch.word;
+      e->theirs = theirs;
+      e->op = w.site.op;
+      e->what = w.site.what;
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      e->code = 3;
+    }
+    return true;
+  }
+  return false;
 }
 
 bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
@@ -441,6 +472,8 @@ void CudaIpcTransport::run_fused() {
   op.lanes = a_.world;
   op.timeout_ns = static_cast<unsigned long long>(a_.timeout.count()) * 1000000ull;
   op.err = err_dev_;
+  op.watch_slots = watch_.slots;
+  op.watch_word = watch_.word;
   int k = 0;
   for (int lane = 0; lane < a_.world; ++lane) {  // steps grouped by lane, in issue order
     op.lane_begin[lane] = static_cast<unsigned short>(k);
@@ -530,6 +563,7 @@ void CudaIpcTransport::run_on_copy_engines() {
     t.end = pooled_event();
     check(cudaEventRecord(t.end, op_stream_), "recording an event");
     t.waits = std::move(op_waits_);
+    t.watch = watch_;
     op_waits_ = {};
     std::lock_guard<std::mutex> lk(wd_mu_);
     tracked_.push_back(std::move(t));
@@ -577,6 +611,10 @@ void CudaIpcTransport::launch_flags(int lane, const Step* wait) {
   }
   op.timeout_ns = static_cast<unsigned long long>(a_.timeout.count()) * 1000000ull;
   op.err = err_dev_;
+  if (wait) {
+    op.watch_slots = watch_.slots;
+    op.watch_word = watch_.word;
+  }
   check(launch_flag_op(op, lane_stream(lane)), "launching a flag kernel");
   p = PendingSignals{};
 }
@@ -694,8 +732,9 @@ std::string CudaIpcTransport::async_error() {
   const char* what = e->what;
   WaitSite site{op ? op : "collective", what ? what : "a counter of", e->op_seq};
   const std::string text =
-      code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs, e->target, e->seen)
-                : describe_wait(site, e->peer, e->target, e->seen, a_.timeout);
+      code == 3   ? describe_announced(site, a_.rank, e->peer, e->mine, e->theirs)
+      : code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs, e->target, e->seen)
+                  : describe_wait(site, e->peer, e->target, e->seen, a_.timeout);
   return text + " (detected on the GPU; results of this and later collectives are invalid)";
 }
 

@@ -110,7 +110,11 @@ class CudaIpcTransport final : public Transport {
     std::vector<WaitRec> waits;
     bool started = false;
     std::chrono::steady_clock::time_point started_at;
+    PeerWatch watch;  // the announcements its waits watch (announced_other)
   };
+  // How long a started operation waits before the watchdog reads the announcements.
+  static constexpr std::chrono::milliseconds kWatchAfter{100};
+  bool announced_other(const Tracked& op);
   void load_memops();
   cudaEvent_t pooled_event();
   void watchdog_loop();

@@ -225,6 +225,12 @@ void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
         continue;
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (watch_.slots) {  // the peer announced another collective at this point: fail now
+        const uint64_t theirs = __atomic_load_n(watch_.slot_of(peers[i]), __ATOMIC_ACQUIRE);
+        if (watch_.differs(theirs)) {
+          throw CommError(describe_announced(site, a_.rank, peers[i], watch_.word, theirs));
+        }
+      }
       if (spins % 256 == 0) {
         if (kill(pids_[peers[i]], 0) != 0 && errno == ESRCH) {
           throw CommError("odc: " + std::string(site.op) + " #" + std::to_string(site.op_seq) +

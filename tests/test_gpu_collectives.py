@@ -237,6 +237,7 @@ def test_mismatch_is_reported_on_every_rank(env):
                           timeout_s=tm.TIMEOUT_S, deadline_s=300)
     for case in tm.CASES:
         tm.assert_reported(res, case)
+    tm.assert_different_collectives_reported(res)
     tm.assert_others_fine(res)
 
 

@@ -67,6 +67,16 @@ CASES = {
 }
 
 
+def _different_ops(rank_calls_rs):
+    return lambda g, dev: (_rs(8, F32, SUM) if rank_calls_rs else _ag(8, F32))(g, dev)
+
+
+# Different collectives at the same point (rank ODD reduce-scatters while the others
+# all-gather): each side waits for data the other never sends, so only the peers'
+# announcements of what they called can tell, long before the group's timeout.
+DIFFERENT = {"ag_vs_rs": (_different_ops(False), _different_ops(True))}
+
+
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -76,7 +86,8 @@ def run_cases(rank, world, dev):
     """Each case on a fresh group: the error (on GPU raised by the group's next call: the
     kernels find the mismatch), how long it took, and what a further call raises."""
     out = {}
-    for name, (agreed, odd, _) in CASES.items():
+    cases = {**{k: v[:2] for k, v in CASES.items()}, **DIFFERENT}
+    for name, (agreed, odd) in cases.items():
         g = dist.new_group(list(range(world)))
         t0 = time.monotonic()
         try:
@@ -141,6 +152,23 @@ def assert_reported(res, case):
         assert re.search(rf"rank {peer}'s is [^.]*{re.escape(theirs)}", msg), f"rank {rank}: {msg}"
         assert r["elapsed"] < TIMEOUT_S / 3, f"rank {rank}: took {r['elapsed']:.1f}s (a timeout?)"
         assert r["after"] is not None and "different collective" in r["after"], (rank, r["after"])
+
+
+def assert_different_collectives_reported(res, case="ag_vs_rs"):
+    """Every rank fails within a fraction of the timeout, naming both collectives."""
+    for rank in range(WORLD):
+        r = res[rank][case]
+        assert r["error"] is not None, f"rank {rank}: {case} completed without an error"
+        assert r["type"] == "DistBackendError", (rank, r["type"], r["error"])
+        msg = r["error"]
+        assert "issued a different collective" in msg, f"rank {rank}: {msg}"
+        assert "all_gather" in msg and "reduce_scatter" in msg, f"rank {rank}: {msg}"
+        assert r["elapsed"] < TIMEOUT_S / 3, f"rank {rank}: took {r['elapsed']:.1f}s (a timeout?)"
+        assert r["after"] is not None and "different collective" in r["after"], (rank, r["after"])
+
+
+def test_different_collectives_fail_at_once_naming_both(run):
+    assert_different_collectives_reported(run())
 
 
 def assert_others_fine(res):

@@ -7,7 +7,8 @@ compiled core) loads when a group is created. So ``import torch`` stays as fast 
 was, and the user's own ``import torch_odc_backend`` keeps meaning "this process uses
 odc" (it then asks CUDA for eager module loading, which odc needs, if CUDA is not up yet;
 ODC_DEFAULT_BACKEND with cuda asks for it here). A bad knob or a broken install must not
-break ``import torch`` for the user's other work: any failure here is one warning.
+break ``import torch`` for the user's other work: any failure here is one warning, and a bad
+ODC_DEFAULT_BACKEND is raised by the first process group (check_knobs).
 """
 from __future__ import annotations
 
@@ -28,8 +29,19 @@ def default_backend_devices() -> list[str]:
     return devices
 
 
+# A bad ODC_DEFAULT_BACKEND, kept for the first odc group to raise (check_knobs).
+_knob_error: ValueError | None = None
+
+
+def check_knobs() -> None:
+    """Raise the error of a bad ODC_DEFAULT_BACKEND (called by the backend's creator)."""
+    if _knob_error is not None:
+        raise ValueError(str(_knob_error))
+
+
 def _create(opts, pg_options):
     """The registered creator: the package loads with the first odc group."""
+    check_knobs()
     import torch_odc_backend
 
     return torch_odc_backend._create_backend(opts, pg_options)
@@ -39,12 +51,22 @@ def register(creator=_create) -> list[str]:
     """Register "odc" (unless it is) and apply ODC_DEFAULT_BACKEND through PyTorch's public
     Backend.default_device_backend_map, which init_process_group() without a backend,
     init_device_mesh without a group and trainers that derive a backend from it use.
-    Returns the devices switched."""
+    Returns the devices switched.
+
+    A bad value still registers odc, and makes it the default of every device: the first
+    group then fails naming the variable and its value, where leaving PyTorch's defaults
+    would run the job on another backend without a word."""
+    global _knob_error
     import torch.distributed as dist
 
-    devices = default_backend_devices()
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, creator, extended_api=True, devices=["cpu", "cuda"])
+    try:
+        devices = default_backend_devices()
+        _knob_error = None
+    except ValueError as e:
+        _knob_error = e
+        devices = ["cpu", "cuda"]
     for device in devices:
         dist.Backend.default_device_backend_map[device] = BACKEND_NAME
     return devices
@@ -53,6 +75,9 @@ def register(creator=_create) -> list[str]:
 def autoload() -> None:
     try:
         devices = register()
+        if _knob_error is not None:
+            warnings.warn(f"torch_odc_backend: {_knob_error}; the first process group will raise "
+                          "this error", RuntimeWarning)
         if "cuda" in devices and os.environ.get("ODC_ALLOW_LAZY_LOADING") != "1":
             os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # before CUDA starts: odc needs it
     except Exception as e:  # noqa: BLE001

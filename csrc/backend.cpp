@@ -396,6 +396,26 @@ void check_tensor(const at::Tensor& t, const c10::Device& device, const char* ap
             " ", describe(t), " is not); call .contiguous() first");
 }
 
+const char* reduce_op_name(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return "SUM";
+    case c10d::ReduceOp::AVG: return "AVG";
+    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
+    case c10d::ReduceOp::MIN: return "MIN";
+    case c10d::ReduceOp::MAX: return "MAX";
+    case c10d::ReduceOp::BAND: return "BAND";
+    case c10d::ReduceOp::BOR: return "BOR";
+    case c10d::ReduceOp::BXOR: return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
+    default: return "UNUSED";
+  }
+}
+
+bool is_bitwise(const c10d::ReduceOp& op) {
+  return op.op_ == c10d::ReduceOp::BAND || op.op_ == c10d::ReduceOp::BOR ||
+         op.op_ == c10d::ReduceOp::BXOR;
+}
+
 ReduceSpec OdcBackend::reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op, const char* api,
                                    std::vector<at::Tensor>& factors, RedOp* red_op) {
   ReduceSpec spec;
@@ -433,10 +453,10 @@ ReduceSpec OdcBackend::reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op
       *red_op = RedOp::Product;
       break;
     default:
-      ODC_CHECK(false, ValueError, "odc: ", api, ": unsupported reduce op ",
-                static_cast<int>(op.op_),
-                " (odc reduces with SUM, AVG, PREMUL_SUM, MAX, MIN and PRODUCT; not with bitwise "
-                "ops)");
+      ODC_CHECK(false, ValueError, "odc: ", api, ": unsupported reduce op ", reduce_op_name(op),
+                " (odc reduces with SUM, AVG, PREMUL_SUM, MAX, MIN and PRODUCT; with "
+                "ODC_SELF_SERVE=0 the collectives FSDP does not issue, bitwise ones included, go "
+                "to the inner gloo / NCCL backend)");
   }
   return spec;
 }
@@ -605,6 +625,10 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_into_tensor_coalesced(
 
 c10::intrusive_ptr<c10d::Work> OdcBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  if (is_bitwise(opts.reduceOp)) {  // odc reduces arithmetically: the inner backend serves these
+    count("delegated_ops", 1);
+    return inner(input.device().type())->_reduce_scatter_base(output, input, opts);
+  }
   std::vector<at::Tensor> outs{output}, ins{input};
   return run(Kind::ReduceScatter, outs, ins, opts.asyncOp, &opts.reduceOp,
              "reduce_scatter_tensor");
@@ -613,6 +637,11 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (is_bitwise(opts.reduceOp)) {
+    count("delegated_ops", 1);
+    return inner(inputs.empty() ? c10::kCPU : inputs[0].device().type())
+        ->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
   return run(Kind::ReduceScatter, outputs, inputs, opts.asyncOp, &opts.reduceOp,
              "reduce_scatter_tensor_coalesced");
 }

@@ -62,6 +62,8 @@ struct Knobs {
 
 // Argument helpers shared by the backend's collectives (backend.cpp, own_collectives.cpp).
 DType to_dtype(at::ScalarType t, const char* api);  // TypeError for a dtype odc cannot reduce
+const char* reduce_op_name(const c10d::ReduceOp& op);  // "BAND"
+bool is_bitwise(const c10d::ReduceOp& op);           // BAND, BOR, BXOR
 std::string describe(const at::Tensor& t);         // "float32[4, 8] on cuda:0"
 // Defined, on `device`, contiguous: else a ValueError naming `api` and `what`.
 void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,

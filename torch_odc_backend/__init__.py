@@ -58,6 +58,9 @@ def __getattr__(name: str):
 
 def _create_backend(opts, pg_options):
     """Creator for ``dist.Backend.register_backend(..., extended_api=True)``."""
+    from _torch_odc_backend_autoload import check_knobs
+
+    check_knobs()  # a bad ODC_DEFAULT_BACKEND fails the first group, naming the value
     from ._backend import create_backend
 
     _require_eager_module_loading()  # says what to do if CUDA is up with lazy loading

@@ -56,9 +56,24 @@ def _write_stats_at_exit() -> None:
     except Exception as e:  # noqa: BLE001 - a report must never turn a finished run into a failure
         import sys
 
-        print(f"odc: ODC_STATS_DIR: could not write the counters: {e!r}", file=sys.stderr)
+        print(f"odc: ODC_STATS_DIR={folder!r}: could not write the counters there: {e!r}",
+              file=sys.stderr)
     finally:
         _STATS.clear()  # the backends go now, while the interpreter is whole
+
+
+def _check_stats_dir(folder: str) -> None:
+    """ODC_STATS_DIR must be a folder this process can create and write: say so at the first
+    group rather than lose the counters at exit."""
+    import os
+
+    try:
+        os.makedirs(folder, exist_ok=True)
+        writable = os.access(folder, os.W_OK)
+    except OSError as e:
+        raise ValueError(f"ODC_STATS_DIR={folder!r}: cannot create that folder ({e.strerror or e})") from None
+    if not writable:
+        raise ValueError(f"ODC_STATS_DIR={folder!r}: this process cannot write to that folder")
 
 
 def _new_backend(store, rank: int, size: int, timeout, group_name: str, global_ranks):
@@ -69,6 +84,7 @@ def _new_backend(store, rank: int, size: int, timeout, group_name: str, global_r
     import os
 
     if os.environ.get("ODC_STATS_DIR"):
+        _check_stats_dir(os.environ["ODC_STATS_DIR"])
         if not _STATS:
             import atexit
 

@@ -1,0 +1,115 @@
+"""Bad knobs and unsupported reduce ops explain themselves: the error names the knob (or the
+op) and its value, at the first use, instead of an assertion deep in PyTorch, a silent run
+on another backend, or a number. And reduce-scatters with bitwise ops, which odc does not
+reduce itself, are served by the inner backend as gloo would serve them (CPU)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+
+INSTALLED = any(e.name == "odc" for e in entry_points(group="torch.backends"))
+
+
+def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (one rank, a HashStore group), without the caller's
+    ODC_* variables."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ODC_")}
+    prelude = textwrap.dedent("""
+        import datetime, torch, torch.distributed as dist
+        def init(backend=None):
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=20))
+    """)
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                          env={**base, **env}, capture_output=True, text=True, timeout=120)
+
+
+def _last_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0, f"expected a failure, got rc 0:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(not INSTALLED, reason="needs the installed package (its torch.backends entry "
+                    "point): pip install --no-build-isolation --no-deps -e .")
+@pytest.mark.parametrize("backend", [None, "cpu:odc"], ids=["no-backend", "cpu:odc"])
+def test_bad_default_backend_raises_at_the_first_group_naming_the_knob(backend):
+    proc = _run(f"init({backend!r})", {"ODC_DEFAULT_BACKEND": "banana", "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
+    assert "ODC_DEFAULT_BACKEND='banana'" in proc.stderr and "RuntimeWarning" in proc.stderr, proc.stderr
+    err = _last_error(proc)
+    assert err.startswith("ValueError: ODC_DEFAULT_BACKEND='banana'"), err
+    assert "expected cuda, cpu or cpu,cuda" in err, err
+
+
+def test_bad_default_backend_raises_without_autoload_too():
+    proc = _run("import torch_odc_backend\ninit('cpu:odc')",
+                {"ODC_DEFAULT_BACKEND": "banana", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    err = _last_error(proc)
+    assert err.startswith("ValueError: ODC_DEFAULT_BACKEND='banana'"), err
+
+
+def test_good_default_backend_still_switches():
+    proc = _run("import torch_odc_backend\ninit()\n"
+                "print('BACKEND', type(dist.group.WORLD._get_backend(torch.device('cpu'))).__name__)",
+                {"ODC_DEFAULT_BACKEND": "cpu", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert "BACKEND OdcBackend" in proc.stdout, proc.stdout
+
+
+def test_unwritable_stats_dir_is_named_at_the_first_group(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    folder = str(blocker / "stats")  # under a regular file: cannot be created, even as root
+    proc = _run("import torch_odc_backend\ninit('cpu:odc')", {"ODC_STATS_DIR": folder})
+    err = _last_error(proc)
+    assert err.startswith(f"ValueError: ODC_STATS_DIR={folder!r}: cannot create that folder"), err
+
+
+def test_unsupported_reduce_op_is_named():
+    proc = _run("""
+        import torch_odc_backend
+        init('cpu:odc')
+        dist.all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.BAND)
+    """, {"ODC_SELF_SERVE": "1"})
+    err = _last_error(proc)
+    assert "all_reduce: unsupported reduce op BAND" in err, err
+    assert "ODC_SELF_SERVE=0" in err, err
+
+
+def _bitwise_worker(rank, world):
+    out = {}
+    for name, op in (("BAND", dist.ReduceOp.BAND), ("BOR", dist.ReduceOp.BOR), ("BXOR", dist.ReduceOp.BXOR)):
+        x = torch.tensor([[1 << rank, 3 + rank, 7 * rank]] * world, dtype=torch.int64).flatten()
+        y = torch.empty(3, dtype=torch.int64)
+        dist.reduce_scatter_tensor(y, x, op=op)
+        out[name] = y.tolist()
+    if "odc" in dist.get_backend():
+        from torch_odc_backend import backend_stats
+
+        out["stats"] = backend_stats()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["cpu:odc", "gloo"])
+def test_reduce_scatter_with_bitwise_ops_matches_gloo(backend):
+    world = 2
+    res = run_distributed(_bitwise_worker, world, backend=backend, deadline_s=120)
+    rows = [[1 << r, 3 + r, 7 * r] for r in range(world)]
+    want = {
+        "BAND": [rows[0][i] & rows[1][i] for i in range(3)],
+        "BOR": [rows[0][i] | rows[1][i] for i in range(3)],
+        "BXOR": [rows[0][i] ^ rows[1][i] for i in range(3)],
+    }
+    for rank in range(world):
+        for name, values in want.items():
+            assert res[rank][name] == values, (backend, rank, name, res[rank][name])
+        if backend == "cpu:odc":
+            assert res[rank]["stats"].get("delegated_ops", 0) >= 3, res[rank]["stats"]

@@ -74,6 +74,18 @@ with_cuda = (
 
 with_nvshmem = with_cuda and os.environ.get("ODC_WITH_NVSHMEM", "0") == "1"
 
+if with_cuda and not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda.h")):
+    # torch found an nvcc, but not the toolkit around it (e.g. a bare nvcc on the PATH): say
+    # what to do instead of failing in the compiler with "cuda.h: No such file".
+    isolated = "pip-build-env" in torch.__file__
+    raise SystemExit(
+        f"torch_odc_backend: building the CUDA extension against torch {torch.__version__}, but "
+        f"CUDA_HOME={CUDA_HOME} has no include/cuda.h. Set CUDA_HOME to your CUDA toolkit "
+        "(the folder with bin/nvcc and include/cuda.h), or ODC_BUILD_CUDA=0 for a CPU-only build."
+        + (" This build runs in pip's isolated build environment, with a torch pip downloaded "
+           "for it: to build against the torch you run, install with "
+           "`pip install --no-build-isolation ...`." if isolated else ""))
+
 cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter"]  # torch picks the C++ standard
 if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
@@ -102,4 +114,13 @@ else:
         "torch_odc_backend._C", HOST_SOURCES, extra_compile_args=cxx_flags, libraries=["rt"]
     )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+def torch_requirement() -> str:
+    """The torch releases the built extension runs with: the major.minor it is built against
+    (its C++ ABI; _build_check raises on any other)."""
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if (major, minor) < (2, 11):
+        raise SystemExit(f"torch_odc_backend needs torch >= 2.11 to build, found {torch.__version__}")
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
+
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt}, install_requires=[torch_requirement()])

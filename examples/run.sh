@@ -23,8 +23,8 @@ if [ "${ODC_SKIP_INSTALL:-0}" != 1 ]; then
     for mod in wheel pybind11 ninja pytest numpy matplotlib; do
         "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
     done
-    "$PY" -c 'import sys, setuptools; sys.exit(int(setuptools.__version__.split(".")[0]) < 64)' \
-        2>/dev/null || missing+=("setuptools>=64")   # 64: editable installs of pyproject.toml projects
+    "$PY" -c 'import sys, setuptools; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' \
+        2>/dev/null || missing+=("setuptools>=77")   # 77: SPDX license metadata (pyproject.toml)
     [ "${#missing[@]}" -eq 0 ] || "$PY" -m pip install "${missing[@]}"
     # --no-build-isolation: build against the torch above and fetch nothing (machines
     # without a package registry too)

@@ -154,7 +154,7 @@ def test_setup_py_describes_only_the_extension():
 
 def test_runtime_imports_are_declared():
     # numpy: imported lazily by odc.balance.FittedCost.fit only (in the test extra)
-    imports = _third_party_imports((ROOT / "torch_odc_backend").glob("*.py"))
+    imports = _third_party_imports((ROOT / "torch_odc_backend").rglob("*.py"))
     # _torch_odc_backend_autoload: this distribution's own entry-point module
     assert imports <= {"torch", "numpy", "_torch_odc_backend_autoload"}, imports
     assert _third_party_imports([ROOT / "_torch_odc_backend_autoload.py"]) <= {"torch"}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from . import _C, _fsdp_adapter
+from . import _fsdp_adapter
+from ._core import _C
 
 
 def _shard_sizes(policy: _fsdp_adapter.GroupPolicy):

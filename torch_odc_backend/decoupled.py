@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _fsdp_adapter
-from . import _C
+from ._core import _C
 from ._C import OdcBackend
 from ._arena_sizing import _arena_sizes, _policies, _shard_sizes
 from ._arena_sizing import arena_bytes  # noqa: F401 - still importable from here, as before

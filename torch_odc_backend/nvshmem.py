@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _C, config
+from . import config
+from ._core import _C
 
 __all__ = ["available", "blocks_for", "default_slab_bytes", "ensure_room", "init", "ring_selftest",
            "routes_some_peer", "slab_bytes_for", "stage_bytes", "status"]

@@ -22,7 +22,7 @@ def _odc_backend_of(group: Any) -> tuple[Any, str]:
     """The odc backend object of ``group`` and its device type (CUDA first, else CPU)."""
     import torch.distributed as dist
 
-    from .. import _C
+    from .._core import _C
 
     if not dist.is_initialized():
         raise RuntimeError("dynamic balancing needs an initialised process group on odc")

@@ -1,9 +1,13 @@
-"""Packaging: pyproject.toml declares what the code needs, and the import-time check that
-torch_odc_backend._C was built for the running torch (no rebuild here: fast)."""
+"""Packaging: pyproject.toml declares what the code needs, and the check, at the compiled
+core's first use, that torch_odc_backend._C was built for the running torch (no rebuild here:
+fast)."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,7 +45,7 @@ def _third_party_imports(paths) -> set[str]:
     return found - set(sys.stdlib_module_names) - local - {"__future__"}
 
 
-# --- the build record and the check on import ---------------------------------------------
+# --- the build record and the check at first use -----------------------------------------
 
 def test_installed_build_matches_running_torch():
     built = _build_check.built_info()
@@ -114,6 +118,51 @@ def test_failure_to_load_the_extension_says_how_to_rebuild(monkeypatch):
     assert isinstance(info.value.__cause__, ImportError)
 
 
+_FIRST_USES = """
+import sys
+
+import torch.distributed as dist
+
+import torch_odc_backend as odc
+
+assert odc.__file__.startswith(sys.argv[1]), odc.__file__
+assert "torch_odc_backend._C" not in sys.modules, "the import loaded the compiled core"
+odc.balance.lb_mini([3, 1], 2, 8, len)  # planning needs no compiled core
+uses = {
+    "odc.OdcBackend": lambda: odc.OdcBackend,
+    "odc.decouple": lambda: odc.decouple,
+    "odc.nvshmem": lambda: odc.nvshmem,
+    "odc.backend_stats": lambda: odc.backend_stats,
+    "init_process_group": lambda: dist.init_process_group(
+        "cpu:odc", init_method="file://" + sys.argv[2], rank=0, world_size=1),
+}
+for use, run in uses.items():
+    try:
+        run()
+    except Exception as e:  # c10d may wrap the creator's error
+        print(f"{use}: {type(e).__name__}: {e}")
+    else:
+        print(f"{use}: no error")
+"""
+
+
+def test_a_build_for_another_torch_imports_and_fails_clearly_at_first_use(tmp_path):
+    # the package's sources with a build record of another torch (the check stops before _C loads)
+    pkg = tmp_path / "torch_odc_backend"
+    shutil.copytree(ROOT / "torch_odc_backend", pkg,
+                    ignore=shutil.ignore_patterns("_C.*", "_build_info.py", "__pycache__"))
+    (pkg / "_build_info.py").write_text('torch_version = "1.13.1"\ntorch_cuda = None\nwith_cuda = False\n')
+    run = subprocess.run([sys.executable, "-c", _FIRST_USES, str(pkg), str(tmp_path / "store")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 5, run.stdout
+    for line in lines:
+        assert "built against torch 1.13.1, but this is torch " + torch.__version__ in line, line
+        assert "pip install --no-build-isolation --no-deps -e ." in line, line
+
+
 def test_unbuilt_extension_says_how_to_build():
     err = ModuleNotFoundError("No module named 'torch_odc_backend._C'", name="torch_odc_backend._C")
     msg = _build_check.load_failure_message(err, None, "2.13.0")
@@ -155,7 +204,7 @@ def test_setup_py_describes_only_the_extension():
 
 def test_runtime_imports_are_declared():
     # numpy: imported lazily by odc.balance.FittedCost.fit only (in the test extra)
-    imports = _third_party_imports((ROOT / "torch_odc_backend").glob("*.py"))
+    imports = _third_party_imports((ROOT / "torch_odc_backend").rglob("*.py"))
     # _torch_odc_backend_autoload: this distribution's own entry-point module
     assert imports <= {"torch", "numpy", "_torch_odc_backend_autoload"}, imports
     assert _third_party_imports([ROOT / "_torch_odc_backend_autoload.py"]) <= {"torch"}

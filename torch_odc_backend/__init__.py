@@ -17,7 +17,8 @@ Every other collective is delegated to an inner gloo (CPU) or NCCL (CUDA) group,
 served by odc itself where that cannot (ranks sharing a GPU).
 
 The import stays light (registration only): the compiled core, decoupled mode and
-balancing load on first use.
+balancing load on first use, where a build for another torch fails with an ImportError
+that says how to rebuild.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, attr = _LAZY[name]
     if module == "._C":
-        importlib.import_module("._backend", __name__)  # checks the build before loading _C
+        importlib.import_module("._core", __name__)  # checks the build before loading _C
     mod = importlib.import_module(module, __name__)
     value = mod if attr is None else getattr(mod, attr)
     globals()[name] = value
@@ -104,4 +105,3 @@ def _setup() -> None:
 
 
 _setup()
-importlib.import_module("._backend", __name__)  # a build for another torch fails here, clearly

@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _build_check, config
-
-_build_check.check()  # ImportError naming both torch versions when _C was built against another torch
-from ._C import OdcBackend  # noqa: E402
+from . import config
+from ._core import _C  # noqa: F401 - checks the build before loading _C
+from ._C import OdcBackend
 
 
 def _make_inner(store, rank: int, size: int, timeout, group_name: str, global_ranks):

@@ -48,8 +48,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _fsdp_adapter
-from . import _C
+from ._core import _C
 from ._C import OdcBackend
+from ._arena_sizing import _arena_sizes, _policies, _shard_sizes
+from ._arena_sizing import arena_bytes  # noqa: F401 - still importable from here, as before
 
 __all__ = ["decouple", "sync", "metrics", "DecoupledState"]
 
@@ -72,32 +74,6 @@ def _require_state(model: torch.nn.Module, api: str) -> "DecoupledState":
     return state
 
 
-def _shard_sizes(policy: _fsdp_adapter.GroupPolicy):
-    """Per parameter: padded shard elements and trainability; in all: one rank's packed shard
-    (FSDP's all-gather input) and its trainable part (FSDP's reduce-scatter output)."""
-    padded = [int(torch.Size(s).numel()) for s in policy.padded_shard_sizes]
-    trainable = [p.requires_grad for p in policy.params]
-    return padded, trainable, sum(padded), sum(n for n, t in zip(padded, trainable) if t)
-
-
-def _policies(model: torch.nn.Module) -> list:
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise ValueError("odc.decouple: the model has no fully_shard modules")
-    return [(m, pol) for m in modules if (pol := _fsdp_adapter.group_policy(m)) is not None]
-
-
-def arena_bytes(model: torch.nn.Module, accumulate: str = "owner") -> int:
-    """Bytes of the shared arena ``odc.decouple(model, ..., accumulate=accumulate)`` creates on
-    each rank: every group's published shard in the param dtype, plus its fp32 accumulator
-    with ``"owner"``. Call after fully_shard (sizes NVSHMEM's slab before any group exists)."""
-    if accumulate not in ("owner", "local"):
-        raise ValueError(f"odc arena_bytes: accumulate must be 'owner' or 'local', got {accumulate!r}")
-    pols = [pol for _, pol in _policies(model)]
-    mesh = pols[0].params[0].device_mesh
-    return int(_C.arena_bytes(mesh.size(mesh.ndim - 1), *_arena_sizes(pols, accumulate)))
-
-
 def _make_room_in_nvshmem_slab(model, accumulate: str) -> None:
     """Where odc's windows come from NVSHMEM's slab (routed peers), grow it for this
     model's windows and arena unless it has room (collective over the default group)."""
@@ -105,18 +81,6 @@ def _make_room_in_nvshmem_slab(model, accumulate: str) -> None:
 
     if nvshmem.available() and _C.nvshmem_status()["slab_bytes"] > 0:
         nvshmem.ensure_room(nvshmem.blocks_for(model, accumulate))
-
-
-def _arena_sizes(policies, accumulate: str):
-    """Per group, what the arena holds: shard elements, param-dtype element size, and the
-    accumulator's elements (none with accumulate="local")."""
-    numel, elem, grad = [], [], []
-    for pol in policies:
-        _, _, n, g = _shard_sizes(pol)
-        numel.append(n)
-        elem.append(torch.empty(0, dtype=pol.param_dtype or pol.params[0].dtype).element_size())
-        grad.append(g if accumulate == "owner" else 0)
-    return numel, elem, grad
 
 
 class _Group:

@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _C, config
+from . import config
+from ._core import _C
 
 __all__ = ["available", "blocks_for", "default_slab_bytes", "ensure_room", "init", "ring_selftest",
            "routes_some_peer", "slab_bytes_for", "stage_bytes", "status"]
@@ -85,7 +86,7 @@ def blocks_for(model, accumulate: str = "local") -> list[int]:
     """What a fully_shard model registers, block by block: a window for the world group and
     for each of its mesh's dimensions, then the decoupled-mode arena of ``odc.decouple(model,
     ..., accumulate=accumulate)`` ("local" is the mode that runs over NVSHMEM)."""
-    from .decoupled import arena_bytes
+    from ._arena_sizing import arena_bytes  # imports FSDP: only when a model is sized
 
     arena = arena_bytes(model, accumulate)  # raises on a model without fully_shard modules
     mesh = next(p for p in model.parameters()).device_mesh

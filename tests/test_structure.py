@@ -1,0 +1,137 @@
+"""The package's shape: no import cycle among its modules (counting the imports inside
+functions, which only postpone a cycle to the first call), and no module over 600 lines."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = ROOT / "torch_odc_backend"
+MAX_LINES = 600
+
+
+def modules_of(package_dir: Path) -> dict[str, Path]:
+    """Dotted name -> file, for every Python module of the package (``__init__`` names its package)."""
+    found = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = (package_dir.name,) + path.relative_to(package_dir).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def names_of(path: Path) -> set[str]:
+    """What ``from <module> import NAME`` can take from this file: its top-level bindings, and
+    the identifiers it names in strings (what a module ``__getattr__`` serves lazily)."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = {n.value for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier()}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that module ``name`` imports anywhere in its body: module level
+    or inside functions, relative or absolute, and ``importlib.import_module`` of a literal."""
+    top = name.partition(".")[0]
+    context = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def resolve(module: str | None, level: int) -> str:
+        if level == 0:
+            return module or ""
+        base = context.split(".")
+        base = base[:len(base) - (level - 1)]
+        return ".".join(base + ([module] if module else []))
+
+    targets = set()
+
+    def add(target: str, names=()) -> None:
+        if not (target == top or target.startswith(top + ".")):
+            return
+        for alias in names:
+            if f"{target}.{alias}" in modules:
+                targets.add(f"{target}.{alias}")
+            elif alias == "*" or (target in modules and alias in names_of(modules[target])):
+                targets.add(target)
+            # else a module with no Python source here (the compiled _C, the generated _build_info)
+        if not names:
+            targets.add(target)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            add(resolve(node.module, node.level), [a.name for a in node.names])
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            literal = node.args[0].value
+            level = len(literal) - len(literal.lstrip("."))
+            add(resolve(literal.lstrip(".") or None, level))
+    return {t for t in targets if t in modules and t != name}
+
+
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    modules = modules_of(package_dir)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_inside_the_package():
+    cycle = find_cycle(import_graph(PACKAGE_DIR))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_module_over_600_lines():
+    long = {name: n for name, path in modules_of(PACKAGE_DIR).items()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_cycle_check_sees_imports_inside_functions(tmp_path):
+    pkg = tmp_path / "torch_odc_backend"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import importlib\n"
+                                     "def lazy():\n    importlib.import_module('.a', __name__)\n")
+    (pkg / "a.py").write_text("from . import _C  # compiled: outside the graph\n\n"
+                              "def f():\n    from .sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("import torch\n\ndef g():\n    from ..c import x\n")
+    (pkg / "c.py").write_text("from . import lazy\nx = 1\n")  # a name of the package's __init__
+    graph = import_graph(pkg)
+    assert graph == {"torch_odc_backend": {"torch_odc_backend.a"}, "torch_odc_backend.a": {"torch_odc_backend.sub.b"},
+                     "torch_odc_backend.sub": set(), "torch_odc_backend.sub.b": {"torch_odc_backend.c"},
+                     "torch_odc_backend.c": {"torch_odc_backend"}}
+    assert find_cycle(graph) == ["torch_odc_backend", "torch_odc_backend.a", "torch_odc_backend.sub.b",
+                                 "torch_odc_backend.c", "torch_odc_backend"]
+    (pkg / "c.py").write_text("x = 1\n")
+    assert find_cycle(import_graph(pkg)) is None

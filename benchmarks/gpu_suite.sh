@@ -291,7 +291,7 @@ EOF
     [ "$FAILED" -eq 0 ] && echo "RESULT: all stages passed" || echo "RESULT: some stages FAILED"
 } | tee "$OUT/summary.txt"
 
-# The device tool returns at most 8 files: pack everything but the summary into one archive.
+# Pack everything but the summary into one archive (one file to copy back).
 if [ "${SUITE_PACK:-1}" = 1 ]; then
     (cd "$OUT" && find . -type f ! -name summary.txt ! -name suite.tar.gz -print0 |
         tar czf suite.tar.gz --null -T - && find . -type f ! -name summary.txt ! -name suite.tar.gz -delete

@@ -6,7 +6,7 @@ before it (``<!-- readme-test: KIND -->``, parsed by ``.ci/readme_block.py``):
 - ``example``: ``bash examples/run.sh``, run with its install lines skipped and few steps;
 - ``torchrun``: a script, run under torchrun with 2 CPU processes exactly as written;
 - ``torchrun-continued``: inserted into the preceding ``torchrun`` script before its
-  ``del model`` line, and run the same way;
+  ``del model`` line (the script then runs once, with its continuations);
 - ``layout``: a tree of the repository, whose paths must exist.
 
 A block without a marker or with an unknown kind fails the test."""
@@ -75,7 +75,7 @@ def test_example_block_trains():
     assert cmd == "bash examples/run.sh", cmd
     bin_dir = str(Path(sys.executable).parent)  # run.sh takes python3 from PATH: this interpreter
     env = dict(ENV, ODC_SKIP_INSTALL="1", PATH=bin_dir + os.pathsep + ENV.get("PATH", ""))
-    proc = subprocess.run(["bash", "-c", cmd + " --steps 3"], cwd=REPO, env=env,
+    proc = subprocess.run(["bash", "-c", cmd + " --steps 2"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{out[-3000:]}"
@@ -83,18 +83,18 @@ def test_example_block_trains():
 
 
 def _scripts():
-    """(name, script) for every torchrun block, with its continuation blocks spliced in."""
-    scripts, last = [], None
+    """(name, script) for every torchrun block, with its continuation blocks spliced in before
+    its ``del model`` line: one run covers a block and its continuations (CI time)."""
+    scripts = []
     for kind, _, body in BLOCKS:
         if kind == "torchrun":
             scripts.append([f"block{len(scripts)}", body])
-            last = scripts[-1]
         elif kind == "torchrun-continued":
-            assert last is not None, "a torchrun-continued block before any torchrun block"
-            base = last[1]
+            assert scripts, "a torchrun-continued block before any torchrun block"
+            name, base = scripts[-1]
             assert "\ndel model" in base, "the script to continue has no 'del model' line"
             cut = base.index("\ndel model") + 1
-            scripts.append([f"block{len(scripts)}-continued", base[:cut] + body + base[cut:]])
+            scripts[-1] = [name + "-continued", base[:cut] + body + base[cut:]]
     return scripts
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import os
 
-# NVLink multicast must stay off on the lent GPU machines (DESIGN.md §3).
+# Keep NVLink multicast off (docs/configuration.md), before NCCL initialises.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# GPU suite for the lent GPU machine (4x H200, no package registry).
+# GPU suite for a GPU machine (1, 2 or 4 GPUs; needs no package registry).
 #
 #   bash benchmarks/gpu_suite.sh                 # stages build tests bench example
 #   bash benchmarks/gpu_suite.sh build bench     # only those stages, in the order given
 #   OUT=/some/dir bash benchmarks/gpu_suite.sh   # logs and results go to $OUT (default ./out)
 #
-# Set ODC_COMMIT=<hash> when the tree was copied to the GPU machine: the copy's .git may
-# be stale (seen: it named the session's first commit), and results record ODC_COMMIT.
+# Set ODC_COMMIT=<hash> when the tree was copied to the GPU machine without an up-to-date
+# .git: results record ODC_COMMIT.
 #
 # Stages (a failing stage is reported; later stages still run; exit status is
 # nonzero when any stage failed):
@@ -19,7 +19,6 @@
 #   device_id  the GPU suites again with ODC_TEST_DEVICE_ID=1 (init_process_group(device_id=...))
 #   check_cost benchmarks/collectives.py --reference odc-nocheck on 2 ranks (the descriptor
 #            check's cost; on one GPU its ranks share it, so timings include the GPU's time-slicing)
-#   import_time  benchmarks/import_time.py (what the torch.backends entry point adds to import torch)
 #   bench    benchmarks/collectives.py under torchrun on 2 GPUs (0,1), then on 4
 #   train    benchmarks/train_imbalanced.py on all GPUs: a 2-layer smoke run, then the 1.5B
 #            long-tailed run and the balanced control (TRAIN_ARGS adds arguments to both),
@@ -29,8 +28,7 @@
 #            every peer over NVSHMEM, and with 4 GPUs as 2 hosts x 2), the GPU suites of the
 #            tests stage with every peer over NVSHMEM (ODC_TEST_NVSHMEM=1
 #            ODC_TRANSPORT=nvshmem; on 2 and 4 GPUs) and with 4 GPUs as two hosts
-#            (ODC_HOST_SIZE=2), benchmarks/nvshmem_probe.py --torch-symm-mem on 2 GPUs,
-#            benchmarks/collectives.py --odc-nvshmem on all GPUs (odc over CUDA IPC, odc
+#            (ODC_HOST_SIZE=2), benchmarks/collectives.py --odc-nvshmem on all GPUs (odc over CUDA IPC, odc
 #            over NVSHMEM and NCCL in one run) and, on 4+ GPUs, with ODC_HOST_SIZE splitting
 #            them into two hosts. Run it last: it replaces the built extension.
 #   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, odc --decoupled (unless
@@ -40,8 +38,8 @@
 # (default 450 s), so the whole suite stays well under 9 minutes. TEST_GPUS / BENCH_GPUS
 # (default "2 4") choose the GPU counts the tests / benchmark run on.
 # Outputs in $OUT: <stage>.log, gpu_tests_<n>gpu.log, env.log, summary.txt,
-# benchmarks/results/collectives_*.{json,png} and tests/results/gpu_tests_<kind>_<date>.log
-# (the repository layout of DESIGN.md §6, ready to copy into the repo), packed into
+# benchmarks/results/collectives_*.{json,png} and gpu_tests_<kind>_<date>.log (record their
+# pass/fail lines in docs/performance.md's verification matrix), packed into
 # $OUT/suite.tar.gz beside summary.txt unless SUITE_PACK=0.
 set -uo pipefail
 export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -54,7 +52,7 @@ REPO=$(pwd)
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-mkdir -p "$OUT/benchmarks/results" "$OUT/tests/results"
+mkdir -p "$OUT/benchmarks/results" "$OUT/tests"
 
 PY=${PYTHON:-python3}
 SUITE_BUDGET_S=${SUITE_BUDGET_S:-450}
@@ -134,7 +132,7 @@ stage_tests() {
         # compare with references instead), the whole suite, then again with device_id passed
         run_step tests_1gpu_shared "${TEST_MAX_S:-420}" "$OUT/gpu_tests_1gpu_shared.log" \
             $PY -m pytest -q -rA "${GPU_TESTS[@]}" ${TEST_ARGS:-}
-        cp -f "$OUT/gpu_tests_1gpu_shared.log" "$OUT/tests/results/gpu_tests_$(kind_for 1)-shared_${DATE}.log"
+        cp -f "$OUT/gpu_tests_1gpu_shared.log" "$OUT/tests/gpu_tests_$(kind_for 1)-shared_${DATE}.log"
         return
     fi
     for n in ${TEST_GPUS:-2 4}; do
@@ -144,7 +142,7 @@ stage_tests() {
         run_step "tests_${n}gpu" 220 "$log" \
             env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" \
             $PY -m pytest -q -rA "${GPU_TESTS[@]}" "${sel[@]}"
-        cp -f "$log" "$OUT/tests/results/gpu_tests_$(kind_for "$n")_${DATE}.log"
+        cp -f "$log" "$OUT/tests/gpu_tests_$(kind_for "$n")_${DATE}.log"
     done
 }
 
@@ -155,7 +153,7 @@ stage_device_id() {  # the GPU suite again, every worker passing device_id to in
         $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py tests/test_gpu_decoupled.py \
         ${TEST_ARGS:-}
     cp -f "$OUT/gpu_tests_device_id.log" \
-        "$OUT/tests/results/gpu_tests_$(kind_for "$NGPU")$([ "$NGPU" -eq 1 ] && echo -shared)-device-id_${DATE}.log"
+        "$OUT/tests/gpu_tests_$(kind_for "$NGPU")$([ "$NGPU" -eq 1 ] && echo -shared)-device-id_${DATE}.log"
 }
 
 stage_check_cost() {  # the cross-rank descriptor check's cost: odc vs odc with ODC_MATCH_CHECK=0
@@ -163,11 +161,6 @@ stage_check_cost() {  # the cross-rank descriptor check's cost: odc vs odc with 
     run_step check_cost 200 "$OUT/check_cost.log" \
         torchrun --standalone --nproc-per-node="$n" benchmarks/collectives.py --reference odc-nocheck \
             --kind "$(kind_for "$NGPU")-${n}ranks" --out-dir "$OUT/benchmarks/results" --no-gemm ${CHECK_ARGS:-}
-}
-
-stage_import_time() {
-    run_step import_time 200 "$OUT/import_time.log" \
-        $PY benchmarks/import_time.py --kind "$(kind_for 1)" --out-dir "$OUT/benchmarks/results" --trials 15
 }
 
 stage_bench() {
@@ -246,9 +239,6 @@ stage_nvshmem() {
                 tests/test_gpu_decoupled.py "${sel[@]}"
         fi
     done
-    run_step nvshmem_probe 120 "$OUT/nvshmem_probe.log" \
-        env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node=2 benchmarks/nvshmem_probe.py \
-            --torch-symm-mem --out-dir "$OUT/benchmarks/results"
     # odc over CUDA IPC, odc with every peer over NVSHMEM, and NCCL, side by side
     run_step nvshmem_bench 200 "$OUT/nvshmem_bench.log" \
         torchrun --standalone --nproc-per-node="$NGPU" benchmarks/collectives.py \
@@ -264,8 +254,8 @@ stage_nvshmem() {
 
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        build|tests|device_id|check_cost|import_time|bench|example|train|nvshmem) "stage_$stage" ;;
-        *) echo "unknown stage '$stage' (choose from: build tests device_id check_cost import_time bench example train nvshmem)"; skip_step "$stage" unknown; FAILED=1 ;;
+        build|tests|device_id|check_cost|bench|example|train|nvshmem) "stage_$stage" ;;
+        *) echo "unknown stage '$stage' (choose from: build tests device_id check_cost bench example train nvshmem)"; skip_step "$stage" unknown; FAILED=1 ;;
     esac
 done
 
@@ -301,7 +291,7 @@ EOF
     [ "$FAILED" -eq 0 ] && echo "RESULT: all stages passed" || echo "RESULT: some stages FAILED"
 } | tee "$OUT/summary.txt"
 
-# The device tool returns at most 8 files: pack everything but the summary into one archive.
+# Pack everything but the summary into one archive (one file to copy back).
 if [ "${SUITE_PACK:-1}" = 1 ]; then
     (cd "$OUT" && find . -type f ! -name summary.txt ! -name suite.tar.gz -print0 |
         tar czf suite.tar.gz --null -T - && find . -type f ! -name summary.txt ! -name suite.tar.gz -delete

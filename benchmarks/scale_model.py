@@ -38,7 +38,7 @@ parameters gathered in bf16 (2 bytes), gradients reduced in fp32 (4 bytes). Each
 gathered twice per microbatch (forward; backward, which recomputes: reshard after forward),
 the root once (FSDP2 keeps the root unsharded after forward). Per-layer sizes: 93.6 MB
 gathered, 187.2 MB reduced; root 466.8 MB and 933.5 MB. What moves, per mode
-(``docs/decoupled_mode.md``, ``docs/nvshmem_transport.md``):
+(``docs/decoupled_mode.md``, ``docs/multi_host.md``):
 
 * ``nccl`` (exact FSDP2 on NCCL): per microbatch one all-gather per layer in forward and in
   backward, one reduce-scatter per layer in backward. Ring collectives.
@@ -67,7 +67,7 @@ GPU, taken at ``--nic-efficiency`` of line rate):
   ``max(7/W * bytes / busbw_odc_nvlink, (W-8)/W * bytes / B) + latency``: 8x NCCL's network
   bytes. The transfers to W - 1 peers are issued by the host one by one (one lane per peer):
   ``--issue-us`` per peer and operation (10 us: two calls at the ~5 us per launch measured
-  on the 4-GPU machine, README "1-4 MiB: fixed cost"), a bound on the microbatch's time.
+  on the 4-GPU machine, docs/performance.md "1-4 MiB: fixed cost"), a bound on the microbatch's time.
 
 Networks: ``nvlink`` (one host, W <= 8); ``ib_ndr400``: InfiniBand NDR, one ConnectX-7 at
 400 Gb/s per GPU as in DGX H100/H200 (NVIDIA DGX H100 user guide, "Network Connections",

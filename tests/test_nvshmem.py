@@ -318,7 +318,7 @@ def _torch_first_worker(rank, world):
 def test_gpu_nvshmem_joins_pytorch_symmetric_memory():
     """PyTorch's symmetric memory (NVSHMEM backend) initialises NVSHMEM first; odc joins it
     (init returns False), carves its slab from the same heap and runs collectives over it.
-    The other order is benchmarks/nvshmem_probe.py --torch-symm-mem."""
+    (The other order, odc first, was checked on 2 x H200: docs/performance.md.)"""
     results = run_distributed(_torch_first_worker, 2, backend="cpu:gloo,cuda:nccl", env=GPU_ENV,
                               deadline_s=240)
     for rank, (up_before, fresh, mismatched, ok, routed) in results.items():

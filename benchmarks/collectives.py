@@ -325,13 +325,16 @@ class Bench:
         return 20 if nbytes <= 8 * MiB else 10 if nbytes <= 64 * MiB else 5
 
     # ---------------------------------------------------------------- collectives
+    # torch 2.13's names where they exist (the older ones warn there)
     def ag(self, backend, out, inp):
-        self.dist.all_gather_into_tensor(out, inp, group=self.groups[backend])
+        dist = self.dist
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, inp, group=self.groups[backend])
 
     def rs(self, backend, out, inp, op=None):
         dist = self.dist
-        dist.reduce_scatter_tensor(out, inp, op=op if op is not None else dist.ReduceOp.SUM,
-                                   group=self.groups[backend])
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(out, inp, op=op if op is not None else dist.ReduceOp.SUM, group=self.groups[backend])
 
     def _gen(self, seed: int):
         g = self.torch.Generator(device=self.device)

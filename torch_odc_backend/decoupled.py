@@ -53,6 +53,9 @@ from ._C import OdcBackend
 from ._arena_sizing import _arena_sizes, _policies, _shard_sizes
 from ._arena_sizing import arena_bytes  # noqa: F401 - still importable from here, as before
 
+# torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns there)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = ["decouple", "sync", "metrics", "DecoupledState"]
 
 log = logging.getLogger("torch_odc_backend.decoupled")
@@ -357,7 +360,7 @@ class DecoupledState:
             if self.accumulate == "owner":
                 self.backend.arena_take(self.arena, g.index, acc)
             else:  # one reduce-scatter of the local sums (zeros from a rank without backward)
-                dist.reduce_scatter_tensor(acc, g.local_acc, group=self.shard_pg)
+                _reduce_scatter(acc, g.local_acc, group=self.shard_pg)
                 g.local_acc.zero_()
             if self.replicate_pg is not None:
                 dist.all_reduce(acc, group=self.replicate_pg)

@@ -81,7 +81,7 @@ def _wire(tensors: dict) -> dict:
 # ---------------------------------------------------------------- FSDP1
 
 def train_fsdp1(mesh, device, *, strategy, bf16=False, seed=0):
-    """fsdp_models.TinyLM under FullyShardedDataParallel(use_orig_params=True), one FSDP unit
+    """fsdp_models.new_model() under FullyShardedDataParallel(use_orig_params=True), one FSDP unit
     per block plus the root, AdamW. Returns per-step losses and global grad norms, the last
     step's local gradient shards (same sharding in both runs), and the full parameters."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -90,7 +90,7 @@ def train_fsdp1(mesh, device, *, strategy, bf16=False, seed=0):
 
     torch.manual_seed(seed)
     model = FSDP(
-        fm.TinyLM(), device_mesh=mesh, sharding_strategy=ShardingStrategy[strategy],
+        fm.new_model(), device_mesh=mesh, sharding_strategy=ShardingStrategy[strategy],
         auto_wrap_policy=ModuleWrapPolicy({fm.Block}), use_orig_params=True,
         # FSDP1 needs an explicit device without an accelerator ("FSDP needs a non-CPU
         # accelerator device" otherwise); torch.device("cpu") works.

@@ -7,8 +7,13 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: a CUDA test (dist_utils.needs_gpus); -m gpu runs the GPU tests only")
+
+
 def _is_gpu_test(report):
-    return "test_gpu" in report.nodeid or "cuda" in report.nodeid.lower()
+    return ("gpu" in getattr(report, "keywords", {}) or "test_gpu" in report.nodeid
+            or "cuda" in report.nodeid.lower())
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -1,6 +1,6 @@
 """FSDP1 and DTensor callers trained on odc and on a reference backend, in one process.
 
-Shared by test_callers.py (CPU: "cpu:odc" against gloo) and test_gpu_callers.py (CUDA:
+Used by test_callers.py on both devices (CPU: "cpu:odc" against gloo; CUDA:
 "cpu:gloo,cuda:odc" against NCCL). `run_configs` runs every configuration twice in each
 worker: once on meshes whose groups use the default backend (odc) and once on meshes whose
 groups are created with the reference backend (`init_device_mesh(backend_override=...)`).

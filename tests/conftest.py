@@ -8,7 +8,8 @@ if _TESTS_DIR not in sys.path:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: a CUDA test (dist_utils.needs_gpus); -m gpu runs the GPU tests only")
+    config.addinivalue_line("markers", "gpu: in the GPU suite (benchmarks/gpu_suite.sh runs -m gpu): the CUDA "
+                            "tests (dist_utils.needs_gpus) and CPU tests that matter where a GPU is visible")
 
 
 def _is_gpu_test(report):

@@ -13,7 +13,8 @@
 #   build    MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e .  (the README's
 #            install; fetches nothing: the GPU machines have no package registry, and their python
 #            has torch, setuptools, wheel, pybind11 and ninja), then import torch_odc_backend
-#   tests    the GPU tests (tests/test_gpu_*.py, tests/integrations/test_zero_code_change.py) on 2
+#   tests    the GPU tests (-m gpu in tests/test_{collectives,fsdp2,decoupled,callers}.py and
+#            tests/integrations/test_zero_code_change.py) on 2
 #            GPUs, then on 4 (there only the tests that use every GPU); on a one-GPU machine once,
 #            with the tests' ranks sharing the GPU (TEST_MAX_S, TEST_ARGS: extra pytest arguments)
 #   device_id  the GPU suites again with ODC_TEST_DEVICE_ID=1 (init_process_group(device_id=...))
@@ -122,8 +123,10 @@ stage_build() {
         $PY -c 'import torch, torch_odc_backend; print("torch_odc_backend imported from", torch_odc_backend.__file__)'
 }
 
-GPU_TESTS=(tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py tests/test_gpu_decoupled.py
-           tests/test_gpu_callers.py tests/integrations/test_zero_code_change.py)
+# The files hold CPU and GPU tests: -m gpu selects the GPU ones (marker set by tests/dist_utils.py)
+GPU_TESTS=(-m gpu tests/test_collectives.py tests/test_fsdp2.py tests/test_decoupled.py
+           tests/test_callers.py tests/integrations/test_zero_code_change.py)
+GPU_SUITES=(-m gpu tests/test_collectives.py tests/test_fsdp2.py tests/test_decoupled.py)
 
 stage_tests() {
     local n
@@ -150,8 +153,7 @@ stage_device_id() {  # the GPU suite again, every worker passing device_id to in
     local n=${TEST_GPUS:-$NGPU}
     run_step device_id "${TEST_MAX_S:-420}" "$OUT/gpu_tests_device_id.log" \
         env ODC_TEST_DEVICE_ID=1 CUDA_VISIBLE_DEVICES="$(gpu_list "$NGPU")" \
-        $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py tests/test_gpu_decoupled.py \
-        ${TEST_ARGS:-}
+        $PY -m pytest -q -rA "${GPU_SUITES[@]}" ${TEST_ARGS:-}
     cp -f "$OUT/gpu_tests_device_id.log" \
         "$OUT/tests/gpu_tests_$(kind_for "$NGPU")$([ "$NGPU" -eq 1 ] && echo -shared)-device-id_${DATE}.log"
 }
@@ -230,13 +232,11 @@ stage_nvshmem() {
         [ "$n" -gt 2 ] && sel=(-k "test_matches_reference_and_nccl[$n or fsdp2 or decoupled")
         run_step "nvshmem_suite_forced_${n}gpu" 240 "$OUT/nvshmem_suite_forced_${n}gpu.log" \
             env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" ODC_TEST_NVSHMEM=1 ODC_TRANSPORT=nvshmem \
-            $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py \
-            tests/test_gpu_decoupled.py "${sel[@]}"
+            $PY -m pytest -q -rA "${GPU_SUITES[@]}" "${sel[@]}"
         if [ "$n" -ge 4 ]; then
             run_step "nvshmem_suite_2hosts_${n}gpu" 240 "$OUT/nvshmem_suite_2hosts_${n}gpu.log" \
                 env CUDA_VISIBLE_DEVICES="$(gpu_list "$n")" ODC_TEST_NVSHMEM=1 ODC_HOST_SIZE=$(( n / 2 )) \
-                $PY -m pytest -q -rA tests/test_gpu_collectives.py tests/test_gpu_fsdp2.py \
-                tests/test_gpu_decoupled.py "${sel[@]}"
+                $PY -m pytest -q -rA "${GPU_SUITES[@]}" "${sel[@]}"
         fi
     done
     # odc over CUDA IPC, odc with every peer over NVSHMEM, and NCCL, side by side

@@ -37,9 +37,10 @@ import torch  # noqa: E402
 
 import torch_odc_backend as odc  # noqa: E402  (registers "odc"; import it before CUDA initialises)
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from tiny_lm import TinyLM  # noqa: E402  (examples/tiny_lm.py, beside this file)
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
@@ -50,49 +51,6 @@ except ImportError:  # pragma: no cover - older torch
 CPU_DEFAULTS = dict(layers=2, d_model=128, heads=4, vocab=256, seq=64, batch=8, steps=100, lr=3e-3)
 GPU_DEFAULTS = dict(layers=4, d_model=256, heads=8, vocab=512, seq=128, batch=32, steps=200, lr=3e-3)
 STRIDES = (1, 2, 3, 5)
-
-
-# --------------------------------------------------------------------------- model
-class Block(nn.Module):
-    def __init__(self, d_model: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.fc1 = nn.Linear(d_model, 4 * d_model)
-        self.fc2 = nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, seq: int):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d_model)
-        self.pos = nn.Embedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln_f(x))
 
 
 # --------------------------------------------------------------------------- data

@@ -1,6 +1,6 @@
 """FSDP1 and DTensor callers trained on odc and on a reference backend, in one process.
 
-Shared by test_callers.py (CPU: "cpu:odc" against gloo) and test_gpu_callers.py (CUDA:
+Used by test_callers.py on both devices (CPU: "cpu:odc" against gloo; CUDA:
 "cpu:gloo,cuda:odc" against NCCL). `run_configs` runs every configuration twice in each
 worker: once on meshes whose groups use the default backend (odc) and once on meshes whose
 groups are created with the reference backend (`init_device_mesh(backend_override=...)`).
@@ -81,7 +81,7 @@ def _wire(tensors: dict) -> dict:
 # ---------------------------------------------------------------- FSDP1
 
 def train_fsdp1(mesh, device, *, strategy, bf16=False, seed=0):
-    """fsdp_models.TinyLM under FullyShardedDataParallel(use_orig_params=True), one FSDP unit
+    """fsdp_models.new_model() under FullyShardedDataParallel(use_orig_params=True), one FSDP unit
     per block plus the root, AdamW. Returns per-step losses and global grad norms, the last
     step's local gradient shards (same sharding in both runs), and the full parameters."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -90,7 +90,7 @@ def train_fsdp1(mesh, device, *, strategy, bf16=False, seed=0):
 
     torch.manual_seed(seed)
     model = FSDP(
-        fm.TinyLM(), device_mesh=mesh, sharding_strategy=ShardingStrategy[strategy],
+        fm.new_model(), device_mesh=mesh, sharding_strategy=ShardingStrategy[strategy],
         auto_wrap_policy=ModuleWrapPolicy({fm.Block}), use_orig_params=True,
         # FSDP1 needs an explicit device without an accelerator ("FSDP needs a non-CPU
         # accelerator device" otherwise); torch.device("cpu") works.

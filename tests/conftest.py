@@ -7,8 +7,14 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: in the GPU suite (benchmarks/gpu_suite.sh runs -m gpu): the CUDA "
+                            "tests (dist_utils.needs_gpus) and CPU tests that matter where a GPU is visible")
+
+
 def _is_gpu_test(report):
-    return "test_gpu" in report.nodeid or "cuda" in report.nodeid.lower()
+    return ("gpu" in getattr(report, "keywords", {}) or "test_gpu" in report.nodeid
+            or "cuda" in report.nodeid.lower())
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -20,6 +20,33 @@ import torch.multiprocessing as mp
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def needs_gpus(n: int = 1) -> list:
+    """Marks of a CUDA test: `gpu` (what benchmarks/gpu_suite.sh selects with -m gpu) and a
+    skip, with the reason in the summary (conftest.py), where fewer than n GPUs are visible."""
+    import pytest
+
+    have = torch.cuda.device_count()
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPU{'s' if n > 1 else ''}, found {have}")]
+
+
+def gpu_test(n: int = 1):
+    """Decorator of a CUDA-only test (see needs_gpus)."""
+    def apply(fn):
+        for mark in needs_gpus(n):
+            fn = mark(fn)
+        return fn
+
+    return apply
+
+
+def cuda_case(*values, gpus: int = 1, id: str | None = None):
+    """One CUDA case of a test parametrized over the device (see needs_gpus)."""
+    import pytest
+
+    return pytest.param(*values, marks=needs_gpus(gpus), id=id)
+
+
 def ranks_share_gpus(world: int) -> bool:
     """Whether `world` ranks must share GPUs here (rank r uses GPU r % count): odc runs so,
     NCCL refuses it, so comparisons with NCCL need a GPU per rank."""

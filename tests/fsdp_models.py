@@ -1,4 +1,4 @@
-"""Tiny transformer + FSDP2 training loop shared by the CPU and GPU FSDP2 tests.
+"""The tests' tiny transformer (examples/tiny_lm.py at odd sizes) and FSDP2 training loop.
 
 Sizes are deliberately odd (hidden 36, vocab 97, MLP 100) so that dim-0 shards
 need padding for world sizes 2 and 4. Everything is deterministic: the model is
@@ -8,6 +8,8 @@ each rank's batch depends only on (seed, data-parallel rank, step, microbatch).
 from __future__ import annotations
 
 import collections
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -15,42 +17,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from tiny_lm import Block, TinyLM  # noqa: E402,F401  (examples/tiny_lm.py; Block: the FSDP unit)
+
 VOCAB, DIM, HEADS, MLP_DIM, LAYERS = 97, 36, 3, 100, 3
 BATCH, SEQ = 4, 16
 
 
-class Block(nn.Module):
-    def __init__(self, i: int):
-        super().__init__()
-        # Alternate norm types so both RMSNorm and LayerNorm params are sharded.
-        norm = nn.RMSNorm if i % 2 == 0 else nn.LayerNorm
-        self.attn_norm, self.mlp_norm = norm(DIM), norm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
-        self.proj = nn.Linear(DIM, DIM)
-        self.fc1, self.fc2 = nn.Linear(DIM, MLP_DIM), nn.Linear(MLP_DIM, DIM)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, DIM))
-        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(i) for i in range(LAYERS))
-        self.norm = nn.RMSNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens):
-        x = self.emb(tokens)
-        for blk in self.blocks:
-            x = blk(x)
-        # (batch*seq, vocab) from a 2-D matmul: not a view, so FSDP does not warn about one
-        return self.head(self.norm(x).flatten(0, 1))
+def new_model() -> TinyLM:
+    """The shared TinyLM (examples/tiny_lm.py) at the tests' sizes: no position embedding,
+    norm types alternating over the blocks (RMSNorm first, so both RMSNorm's and LayerNorm's
+    parameters are sharded), no bias in qkv, a bias in the head (a 1-D parameter of odd
+    length), PyTorch's default initialisation, logits as (batch * seq, vocab)."""
+    return TinyLM(VOCAB, DIM, HEADS, LAYERS, mlp=MLP_DIM, norms=(nn.RMSNorm, nn.LayerNorm),
+                  qkv_bias=False, head_bias=True, init_std=None, flat_logits=True)
 
 
 def batch(seed: int, dp_rank: int, step: int, micro: int = 0, device="cpu"):
@@ -61,10 +41,10 @@ def batch(seed: int, dp_rank: int, step: int, micro: int = 0, device="cpu"):
 
 def build(mesh, *, seed=0, reshard_after_forward=True, mp_policy=None, device="cpu",
           offload_policy=None):
-    """Seeded TinyLM, fully_shard per block and on the root, plus AdamW. With an offload
+    """Seeded new_model(), fully_shard per block and on the root, plus AdamW. With an offload
     policy the parameters stay on the host (FSDP2 wants them there)."""
     torch.manual_seed(seed)
-    model = TinyLM().to("cpu" if offload_policy is not None else device)
+    model = new_model().to("cpu" if offload_policy is not None else device)
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
@@ -128,9 +108,9 @@ def reference_train(world: int, *, seed=0, steps=3, grad_accum=1, clip_norm=None
 
 def _reference_train(world, seed, steps, grad_accum, clip_norm, bf16, device):
     torch.manual_seed(seed)
-    model = TinyLM().to(device)
+    model = new_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01)
-    compute = TinyLM().to(device=device, dtype=torch.bfloat16) if bf16 else model
+    compute = new_model().to(device=device, dtype=torch.bfloat16) if bf16 else model
     losses, norms = [[] for _ in range(world)], []
     for step in range(steps):
         if bf16:
@@ -299,4 +279,4 @@ def assert_fsdp_used_odc(calls: dict, groups: dict, what=""):
 def init_params(seed=0) -> dict[str, torch.Tensor]:
     """The parameters `build` starts from (same names as the FSDP-wrapped model's)."""
     torch.manual_seed(seed)
-    return {n: p.detach().clone() for n, p in TinyLM().named_parameters()}
+    return {n: p.detach().clone() for n, p in new_model().named_parameters()}

@@ -1,8 +1,11 @@
-"""Decoupled mode on CPU ("cpu:odc"): gradients after odc.sync equal exact-mode FSDP2 over
-the same global set of microbatches, although ranks run different numbers of
-microbatches (zero included) with random delays; misuse raises clear errors.
+"""Decoupled mode: gradients after odc.sync equal exact-mode FSDP2 over the same global set
+of microbatches, although ranks run different numbers of microbatches (zero included) with
+random delays; misuse raises clear errors.
 
-One spawned job per world size runs every configuration (spawning is slow on CI)."""
+CPU ("cpu:odc"): one spawned job per world size runs every configuration (spawning is slow
+on CI). CUDA ("cpu:gloo,cuda:odc", CUDA IPC arena): one job per configuration, with uneven
+microbatch counts and delays; also CPU offload, int reshard_after_forward, a gradient divide
+factor and a step GradScaler skips. With one GPU, 4 ranks share it."""
 from __future__ import annotations
 
 import random
@@ -15,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_models as fm
-from dist_utils import run_distributed, run_once
+from dist_utils import GPU_ENV, NVSHMEM_SUITE, cuda_case, run_distributed, run_once
 
 STEPS = 3
 SKIPPED_STEP = 1  # the step GradScaler skips in the "scaler" configurations
@@ -39,6 +42,22 @@ CONFIGS = {
 # the bf16 rounding of a master weight's copy.
 TOL = {False: dict(rtol=1e-4, atol=1e-5), True: dict(rtol=2e-2, atol=2e-3)}
 LOSS_SCALE = 0.25  # every microbatch's loss, in both modes: the global gradient is the same sum
+
+# CUDA: N ranks (sharing the GPUs where there are fewer), one job per configuration
+N = torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 4  # ranks
+GPU_CONFIGS = {"fp32_1d": dict(mesh=(N,)), "bf16_1d": dict(mesh=(N,), bf16=True),
+               "bf16_1d_local_accumulate": dict(mesh=(N,), bf16=True, accumulate="local"),
+               "fp32_1d_cpu_offload": dict(mesh=(N,), offload=True),
+               "fp32_1d_divide_factor": dict(mesh=(N,), divide_factor=3.0),
+               "fp32_1d_grad_scaler_skips_a_step": dict(mesh=(N,), scaler=True)}
+if N >= 4 and N % 2 == 0:
+    GPU_CONFIGS["bf16_hsdp"] = dict(mesh=(2, N // 2), dims=("replicate", "shard"), bf16=True)
+    GPU_CONFIGS["fp32_1d_reshard_to_2"] = dict(mesh=(N,), reshard=2)
+if NVSHMEM_SUITE:  # peers over NVSHMEM: the owner-side put-accumulate is refused (test_nvshmem.py)
+    for _cfg in GPU_CONFIGS.values():
+        _cfg["accumulate"] = "local"
+CASES = ([("cpu", w, n) for w in CONFIGS for n in CONFIGS[w]]
+         + [cuda_case("cuda", N, n, id=f"cuda-{N}-{n}") for n in GPU_CONFIGS])
 
 
 def _assignments(dp: int, step: int, uneven: bool) -> list[list[int]]:
@@ -240,21 +259,35 @@ def assert_grads_match(cfg, tol, rank):
                                        msg=lambda m: f"rank {rank} step {step} grad {pname}: {m}")
 
 
+def _gpu_worker(rank, world, name):
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    return fm.to_wire(run_configs({name: GPU_CONFIGS[name]}, "cuda")[0])
+
+
 @pytest.fixture(scope="module")
 def run():
     return run_once(lambda world: run_distributed(_worker, world, CONFIGS[world], backend="cpu:odc",
                                                   deadline_s=300))
 
 
-@pytest.mark.parametrize("world,name", [(w, n) for w in CONFIGS for n in CONFIGS[w]])
-def test_decoupled_equals_exact(run, world, name):
-    res = run(world)
+# CUDA: one job per configuration: a failure in one cannot leave another's group broken
+gpu_run = run_once(lambda name: run_distributed(_gpu_worker, N, name, backend="cpu:gloo,cuda:odc",
+                                                env=GPU_ENV, deadline_s=400))
+
+
+@pytest.mark.parametrize("device,world,name", CASES)
+def test_decoupled_equals_exact(run, device, world, name):
+    res = run(world) if device == "cpu" else gpu_run(name)
+    bf16 = (CONFIGS[world] if device == "cpu" else GPU_CONFIGS)[name].get("bf16", False)
+    errors = [f"rank {r}:\n{res[r][name]['error']}" for r in sorted(res) if "error" in res[r][name]]
+    assert not errors, "\n".join(errors)
     for rank in sorted(res):
         cfg = res[rank][name]
-        assert "error" not in cfg, f"rank {rank}:\n{cfg.get('error')}"
-        tol = TOL[CONFIGS[world][name].get("bf16", False)]
+        assert_grads_match(cfg, TOL[bf16], rank)
+        if device == "cuda":  # there the gradients after every sync are checked
+            continue
         exact, dec = cfg["exact"], cfg["decoupled"]
-        assert_grads_match(cfg, tol, rank)
+        tol = TOL[bf16]
         for pname, ref in exact["params"].items():
             torch.testing.assert_close(torch.as_tensor(dec["params"][pname]), torch.as_tensor(ref),
                                        **tol, msg=lambda m: f"rank {rank} param {pname}: {m}")

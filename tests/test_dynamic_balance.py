@@ -1,11 +1,16 @@
-"""Dynamic balancing (odc.balance.DynamicBalancer / DynamicBatchSampler) on CPU ("cpu:odc").
+"""Dynamic balancing (odc.balance.DynamicBalancer / DynamicBatchSampler), on CPU ("cpu:odc").
 
 Ranks claim microbatches from one group-wide counter as they become free. Checked here:
 every microbatch of every minibatch is trained exactly once over the ranks (no duplicates,
 none lost) with random per-rank delays, over many rounds (counters of old rounds are
 deleted) and with two balancers interleaved; a slow rank claims less; decoupled mode fed
 by the claims ends each minibatch with the gradients of exact mode over the whole minibatch;
-misuse raises clear errors. One spawned job per world size (spawning is slow on CI)."""
+misuse raises clear errors. One spawned job per world size (spawning is slow on CI).
+
+CUDA ("cpu:gloo,cuda:odc"): ranks take microbatches as their GPU frees up (CUDA events decide
+when), each exactly once, a rank whose GPU is slowed takes less and is learned, and decoupled
+mode fed this way ends each minibatch with exact mode's gradients. With one GPU the ranks
+share it."""
 from __future__ import annotations
 
 import random
@@ -18,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_models as fm
-from dist_utils import run_distributed, run_once
+from dist_utils import GPU_ENV, cuda_case, run_distributed, run_once
 from torch_odc_backend import balance
 
 ROUNDS = 12
@@ -27,6 +32,9 @@ COUNTS = [9, 3, 1, 0, 2, 17, 5, 4, 3, 8, 1, 6]
 STEPS = 3
 LOSS_SCALE = 0.25
 COST = balance.FittedCost(2.0, 1.0, 0.0)
+GPU_N = max(2, min(torch.cuda.device_count(), 4))  # CUDA ranks
+GPU_ROUNDS = 8
+WORLDS = [("cpu", 2), ("cpu", 3), cuda_case("cuda", GPU_N, id=f"cuda-{GPU_N}")]
 
 
 def _exactly_once(rank, world):
@@ -115,6 +123,38 @@ def _train_worker(rank, world):
                        "dynamic": _train(mesh, dynamic=True, seed_delays=11)})
 
 
+def _slowed_gpu(rank, world):
+    """Rank 0's GPU spins 4x longer per unit of cost (queued work: the host does not wait)."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    b = balance.DynamicBalancer()
+    assert b.device.type == "cuda"
+    taken = []
+    for r in range(GPU_ROUNDS):
+        lengths = [(7 * r + 3 * j) % 23 + 1 for j in range(6 * world)]
+        got = []
+        for mb in b.minibatch(lengths, max_tokens=30, cost=COST):
+            cycles = int(2e5 * COST([lengths[i] for i in mb]) * (4 if rank == 0 else 1))
+            torch.cuda._sleep(cycles)
+            got.append(mb)
+        torch.cuda.synchronize()
+        dist.barrier()
+        taken.append(got)
+    return {"taken": taken, "slowdowns": [h["slowdowns"] for h in b.history]}
+
+
+def _gpu_train_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = init_device_mesh("cuda", (world,))
+    return fm.to_wire({"exact": _train(mesh, dynamic=False, seed_delays=0, device="cuda"),
+                       "dynamic": _train(mesh, dynamic=True, seed_delays=11, device="cuda")})
+
+
+gpu_run = run_once(lambda fn: run_distributed({"slowed": _slowed_gpu, "train": _gpu_train_worker}[fn], GPU_N,
+                                              backend="cpu:gloo,cuda:odc", env=GPU_ENV, deadline_s=300))
+
+
 def _misuse_worker(rank, world):
     out = {}
 
@@ -151,8 +191,17 @@ def run():
     return run_once(job)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_microbatch_is_claimed_exactly_once(run, world):
+@pytest.mark.parametrize("device,world", WORLDS)
+def test_every_microbatch_is_claimed_exactly_once_and_a_slow_rank_takes_less(run, device, world):
+    if device == "cuda":  # rank 0's GPU is the slow one
+        res = gpu_run("slowed")
+        for r in range(GPU_ROUNDS):
+            got = sorted(i for rank in res for mb in res[rank]["taken"][r] for i in mb)
+            assert got == list(range(6 * world)), (r, got)
+        work = {rank: sum(len(mb) for t in res[rank]["taken"] for mb in t) for rank in res}
+        assert work[0] < min(work[r] for r in work if r != 0), work
+        assert min(s[0] for s in res[0]["slowdowns"][3:]) > 1.5, res[0]["slowdowns"]
+        return
     res = run(world)
     assert "error" not in res, res.get("error")
     once = res["once"]
@@ -203,8 +252,11 @@ def assert_dynamic_equals_exact(train: dict, world: int) -> None:
                                        rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_dynamic_decoupled_gradients_equal_exact_mode(run, world):
+@pytest.mark.parametrize("device,world", WORLDS)
+def test_dynamic_decoupled_gradients_equal_exact_mode(run, device, world):
+    if device == "cuda":
+        assert_dynamic_equals_exact(gpu_run("train"), world)
+        return
     res = run(world)
     assert "error" not in res, res.get("error")
     assert_dynamic_equals_exact(res["train"], world)

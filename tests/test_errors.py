@@ -104,7 +104,7 @@ def test_bad_arguments_raise_and_group_survives():
 # ----------------------------------------------------------------------------- dead / stuck peer
 # Survivors record how their collective failed in <tmpdir>/rank<r>.json (the peer that exits
 # never reports, and a hang in shutdown must not hide the result); the stuck peer waits for
-# those files. Reused by test_gpu_collectives.py.
+# those files. Reused by test_collectives.py's CUDA tests.
 PEER = 1
 
 

@@ -44,8 +44,8 @@ def test_group_policy_reads_fsdp2_state():
         assert r["param_dtype"] == "torch.bfloat16" and r["reduce_dtype"] == "torch.float32", r
         assert r["factor"] is None and r["force_sum"] is False, r
         # FSDP2's all-gather order: post-order over submodules, parameters in definition order
-        assert r["params"] == ["attn_norm.weight", "mlp_norm.weight", "qkv.weight", "proj.weight",
-                               "proj.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], r
+        assert r["params"] == ["ln1.weight", "qkv.weight", "proj.weight", "proj.bias", "ln2.weight",
+                               "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], r
         # dim-0 shards padded to ceil(rows / world): qkv (108 x 36) -> 54 rows, fc1 (100 x 36) -> 50
-        assert r["padded"][2] == (54, 36) and r["padded"][5] == (50, 36), r
+        assert r["padded"][1] == (54, 36) and r["padded"][5] == (50, 36), r
         assert r["empty"] is None, r

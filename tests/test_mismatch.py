@@ -1,6 +1,6 @@
 """Ranks that disagree about a collective (dtype, size, reduce op) get a clear error on
 every rank involved, naming both sides, instead of wrong data (CPU; the GPU version is in
-tests/test_gpu_collectives.py).
+tests/test_collectives.py, its CUDA part).
 
 One spawned job runs every case, each on a fresh group (a mismatch leaves its group
 unusable, as a timeout does); rank ODD is the one that disagrees, so ranks that agree with

@@ -2,7 +2,7 @@
 lists, all-to-all, scatter, gather, barrier, the object collectives built on them): what
 it does for CUDA tensors when ranks share a GPU (NCCL refuses that) or torch lacks NCCL.
 ODC_SELF_SERVE=1 turns it on for CPU tensors too, so CI runs it here against references
-computed from each rank's known inputs. The GPU version runs in tests/test_gpu_collectives.py.
+computed from each rank's known inputs. The GPU version runs in tests/test_collectives.py (its CUDA part).
 
 Small rings (4 KiB chunks, 2 slots) make the larger cases wrap the ring many times."""
 from __future__ import annotations

@@ -5,7 +5,7 @@ With a bound device, DeviceMesh and ``dist.split_group`` create sub-groups throu
 ``new_group`` calls ``perform_nocolor_split`` on the ranks outside the new group. A CPU
 build of PyTorch refuses ``device_id`` (it must be an accelerator), so these tests drive
 ``ProcessGroup.split_group`` directly, as ``dist.split_group`` does; the GPU suite runs the
-whole path with ``device_id`` (tests/test_gpu_fsdp2.py). Groups made without ``device_id``
+whole path with ``device_id`` (tests/test_fsdp2.py, on CUDA). Groups made without ``device_id``
 (``new_group``, ``init_device_mesh``) are covered here too."""
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from tiny_lm import TinyLM  # noqa: E402  (beside this file)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for tiny_lm
+from tiny_lm import TinyLM  # noqa: E402  (examples/tiny_lm.py)
 
 try:  # the `lightning` package, or the standalone `pytorch-lightning`
     import lightning.pytorch as pl  # noqa: E402

@@ -50,7 +50,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from tiny_lm import Block, TinyLM  # noqa: E402  (beside this file)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for tiny_lm
+from tiny_lm import Block, TinyLM  # noqa: E402  (examples/tiny_lm.py)
 
 STRIDES = (1, 2, 3, 5)
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fsdp_models as fm  # noqa: E402
-from dist_utils import GPU_ENV, ranks_share_gpus  # noqa: E402
+from dist_utils import GPU_ENV, gpu_test, ranks_share_gpus  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("plain_fsdp2.py")
 WORLD = 2
@@ -50,6 +50,7 @@ def _check_odc_run(runs, stderr):
 OLD_DEFAULT_GROUP = torch.cuda.is_available() and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 
 
+@pytest.mark.gpu  # in the GPU suite too: a CPU group where a GPU is visible
 @pytest.mark.skipif(OLD_DEFAULT_GROUP, reason="torch < 2.13 with a GPU: init_process_group() without a "
                     "backend creates only the accelerator's backend, none for CPU tensors")
 def test_cpu_switch_trains_on_odc_like_gloo(tmp_path):
@@ -65,7 +66,7 @@ def test_cpu_switch_trains_on_odc_like_gloo(tmp_path):
             torch.testing.assert_close(odc[rank]["params"][name], p, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
+@gpu_test()
 def test_cuda_switch_trains_on_odc(tmp_path):
     odc, stderr = _launch(tmp_path, "odc", "cuda", "cuda")
     _check_odc_run(odc, stderr)

@@ -303,7 +303,9 @@ class Bench:
         else:
             device_name, nccl = "cpu", None
         lab = self.cuda and os.environ.get("ODC_LAB_MPS") == "1"  # set by benchmarks/lab.sh
-        kind = args.kind or (f"{slug(device_name)}-mps-x{self.world}" if lab else f"{slug(device_name)}-x{self.world}")
+        # the lab's name: the GPU without its memory suffix ("NVIDIA H100 80GB HBM3" -> nvidia-h100)
+        lab_gpu = re.sub(r"-\d+gb(-.*)?$", "", slug(device_name))
+        kind = args.kind or (f"{lab_gpu}-mps-x{self.world}" if lab else f"{slug(device_name)}-x{self.world}")
         date = datetime.datetime.now(datetime.timezone.utc)
         self.meta = {
             "benchmark": "collectives",

@@ -30,6 +30,13 @@ it; reduce-scatter with SUM):
     and while an all-gather (256 MiB and 64 MiB) runs continuously on another
     stream, per backend; slowdown = t_concurrent / t_alone - 1.
 
+The floor (``--floor``, on by default): per size, every rank at once moves the least bytes the
+collective needs for it on local buffers, with the copy engine and with an SM kernel, timed like
+the backends and interleaved with them; the faster is the floor, and the summary reports odc's
+latency / floor, host us per call, and odc's engine and SMs per size (derived from csrc, see
+``odc_engine``). In the one-GPU lab (``benchmarks/lab.sh``: W ranks on one GPU under a private MPS
+daemon, ``ODC_LAB_MPS=1``) the kind is ``<gpu>-mps-x<W>``; docs/performance.md, "The one-GPU lab".
+
 Rank 0 writes ``<out-dir>/collectives_<kind>_<yyyymmdd>.json`` (rewritten after
 every size, so a run cut short still leaves its rows) and a PNG with the same
 stem. ``--plot FILE.json`` redraws the PNG of an existing result file.

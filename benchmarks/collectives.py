@@ -138,8 +138,10 @@ def odc_engine(op: str, nbytes: int, world: int, elem_bytes: int = 2, knobs: dic
     SMs it holds per rank: derived from csrc (see SMS_SOURCE), not measured.
 
     * fused kernel (one launch): every copy step <= ODC_SMALL_OP_BYTES (default 1 MiB) and, for a
-      reduce-scatter, every reduce step's fp32 worst case (elements x 4) too; world <= 8. Grid of
-      ``world`` blocks x 1024 threads (one per lane).
+      reduce-scatter, every reduce step's fp32 worst case (elements x 4) too; world <= 8 (the
+      step / pointer caps, 40 / 96, counted from protocol.cpp: an 8-rank reduce-scatter with the
+      match check issues 39 steps and 64 pointers, so they are not modelled). Grid of ``world``
+      blocks x 1024 threads (one per lane).
     * copy engine otherwise: data by cudaMemcpyAsync; waits / signals by one-block (32-thread)
       flag kernels, at most one per lane stream at a time (none with ODC_STREAM_MEMOPS=1); a
       reduce-scatter adds the owner's reduce kernel, min(ODC_REDUCE_BLOCKS (16),

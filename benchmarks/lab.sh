@@ -98,7 +98,7 @@ stop_daemon() {
           "run: stop it with CUDA_MPS_PIPE_DIRECTORY=$CUDA_MPS_PIPE_DIRECTORY; echo quit | nvidia-cuda-mps-control"
       [ "$RC" = 0 ] && RC=5
     else
-      for _ in $(seq 1 20); do  # the daemon removes its pipe when it is gone
+      for _ in $(seq 1 10); do  # give the daemon a moment to go (it may remove its pipe)
         [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || break
         sleep 0.5
       done

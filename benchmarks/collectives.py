@@ -30,7 +30,7 @@ it; reduce-scatter with SUM):
     and while an all-gather (256 MiB and 64 MiB) runs continuously on another
     stream, per backend; slowdown = t_concurrent / t_alone - 1.
 
-The floor (``--floor``, on by default): per size, every rank at once moves the least bytes the
+The floor (``--floor``; on by default in the lab and on CPU): per size, every rank at once moves the least bytes the
 collective needs for it on local buffers, with the copy engine and with an SM kernel, timed like
 the backends and interleaved with them; the faster is the floor, and the summary reports odc's
 latency / floor, host us per call, and odc's engine and SMs per size (derived from csrc, see
@@ -312,6 +312,11 @@ class Bench:
         else:
             device_name, nccl = "cpu", None
         lab = self.cuda and os.environ.get("ODC_LAB_MPS") == "1"  # set by benchmarks/lab.sh
+        # The floor is local copies: the floor where ranks share a GPU (the lab) and on CPU; on
+        # separate GPUs NVLink bounds the collectives instead (and the suite's time budget
+        # counts), so there it runs only when asked for.
+        shared = self.cuda and self.world > torch.cuda.device_count()
+        self.floor = bool(args.floor) if args.floor is not None else (lab or shared or not self.cuda)
         # the lab's name: the GPU without its memory suffix ("NVIDIA H100 80GB HBM3" -> nvidia-h100)
         lab_gpu = re.sub(r"-\d+gb(-.*)?$", "", slug(device_name))
         kind = args.kind or (f"{lab_gpu}-mps-x{self.world}" if lab else f"{slug(device_name)}-x{self.world}")
@@ -332,7 +337,7 @@ class Bench:
             "lab": ({"mps": True, "ranks_per_gpu": self.world,
                      "active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
                     if lab else None),
-            "floor": bool(args.floor),
+            "floor": self.floor,
             "process_groups": {"odc": default if use_odc else None,
                                self.ref: ("odc group created under ODC_MATCH_CHECK=0" if self.ref == "odc_nocheck"
                                           else f"new_group(backend={self.ref!r})"),
@@ -353,7 +358,7 @@ class Bench:
         if self.rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             self.log(f"{device_name} x{self.world}, torch {torch.__version__}, {self.ref} {nccl}, "
-                     f"backends {self.order}, writing {self.json_path}")
+                     f"backends {self.order}, floor {'on' if self.floor else 'off'}, writing {self.json_path}")
 
     # ---------------------------------------------------------------- basics
     def others(self) -> list[str]:
@@ -540,7 +545,7 @@ class Bench:
             out = torch.empty(shard, device=self.device, dtype=self.dtype)
             fns = {b: (lambda b=b: self.rs(b, out, inp)) for b in self.order}
         backends = [b for b in self.order if b not in skip]
-        floors = self.floor_fns(op, nbytes, inp) if self.args.floor else {}
+        floors = self.floor_fns(op, nbytes, inp) if self.floor else {}
         for name, (fn, _) in floors.items():  # timed like a backend, interleaved with them
             fns[name] = fn
             backends.append(name)
@@ -712,12 +717,13 @@ class Bench:
             s[f"busbw_ratio_{b}_vs_{ref}"] = ratio
             s[f"min_busbw_ratio_ge_4MiB{suffix}"] = min4
             s[f"latency_ratio_{b}_vs_{ref}_1MiB"] = lat1
-        if any(k[1] == "floor" for k in by):  # the floor, odc's latency, time / floor (odc group)
-            for key in ("latency_us", "floor_us", "floor_engine", "ratio_to_floor", "host_us", "engine", "sms"):
-                s[key] = {}
+        if any(k[1] == "odc" for k in by):  # odc per size: latency, host us, engine / SMs, floor
+            has_floor = any(k[1] == "floor" for k in by)
+            keys = ["latency_us", "host_us"] + (["engine", "sms"] if self.cuda else []) + (
+                ["floor_us", "floor_engine", "ratio_to_floor"] if has_floor else [])
+            for key in keys:
+                s[key] = {op: {} for op in OPS}
             for op in OPS:
-                for key in ("latency_us", "floor_us", "floor_engine", "ratio_to_floor", "host_us", "engine", "sms"):
-                    s[key][op] = {}
                 for sz in sorted({k[2] for k in by if k[0] == op}):
                     label, o, f = size_label(sz), by.get((op, "odc", sz)), by.get((op, "floor", sz))
                     if f:
@@ -731,8 +737,10 @@ class Bench:
                             s["sms"][op][label] = o["odc_sms"]
                     if o and f and f["latency_us"]:
                         s["ratio_to_floor"][op][label] = o["latency_us"] / f["latency_us"]
-            s["floor_definition"] = FLOOR_DEFINITION
-            s["sms_source"] = SMS_SOURCE if self.cuda else "n/a on CPU"
+            if has_floor:
+                s["floor_definition"] = FLOOR_DEFINITION
+            if self.cuda:
+                s["sms_source"] = SMS_SOURCE
             s["host_us_definition"] = HOST_US_DEFINITION
         s["peak_busbw_GBps"] = {op: {b: max((r["busbw_GBps"] for k, r in by.items() if k[0] == op and k[1] == b),
                                             default=None) for b in self.order} for op in OPS}
@@ -889,9 +897,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed loops per backend per size")
     p.add_argument("--ops-per-trial", type=int, default=0, help="0 = by size (20 / 10 / 5)")
     p.add_argument("--no-check", action="store_true")
-    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the floor per size (the least bytes each rank must move, copy engine "
-                        "and SM kernel, the faster counts) and report odc time / floor")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the floor per size (the least bytes each rank must move, on local "
+                        "buffers, copy engine and SM kernel, the faster counts) and report odc time / "
+                        "floor; default: on in the lab (ODC_LAB_MPS=1 or ranks sharing a GPU) and on CPU")
     p.add_argument("--no-gemm", action="store_true")
     p.add_argument("--gemm-n", type=int, default=8192)
     p.add_argument("--gemm-iters", type=int, default=20, help="GEMMs per timed loop")

@@ -511,7 +511,9 @@ class Bench:
             return {}
         shard = nbytes // 2 // n
         kw = dict(dtype=self.dtype, device=self.device)
-        ce = "cudaMemcpyAsync (copy engine)" if self.cuda else "memcpy (copy_)"
+        # same-device cudaMemcpyAsync: the call odc's copy path makes (in the lab its peer
+        # pointers are on the same device too), whichever unit the driver runs it on
+        ce = "cudaMemcpyAsync D2D (copy_)" if self.cuda else "memcpy (copy_)"
         if op == "all_gather":
             src = torch.ones((n - 1) * shard, **kw)
             dst = torch.empty((n - 1) * shard, **kw)

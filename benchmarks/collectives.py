@@ -30,6 +30,13 @@ it; reduce-scatter with SUM):
     and while an all-gather (256 MiB and 64 MiB) runs continuously on another
     stream, per backend; slowdown = t_concurrent / t_alone - 1.
 
+The floor (``--floor``; on by default in the lab and on CPU): per size, every rank at once moves the least bytes the
+collective needs for it on local buffers, with the copy engine and with an SM kernel, timed like
+the backends and interleaved with them; the faster is the floor, and the summary reports odc's
+latency / floor, host us per call, and odc's engine and SMs per size (derived from csrc, see
+``odc_engine``). In the one-GPU lab (``benchmarks/lab.sh``: W ranks on one GPU under a private MPS
+daemon, ``ODC_LAB_MPS=1``) the kind is ``<gpu>-mps-x<W>``; docs/performance.md, "The one-GPU lab".
+
 Rank 0 writes ``<out-dir>/collectives_<kind>_<yyyymmdd>.json`` (rewritten after
 every size, so a run cut short still leaves its rows) and a PNG with the same
 stem. ``--plot FILE.json`` redraws the PNG of an existing result file.
@@ -105,6 +112,78 @@ def _pct(xs, q):
     return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
+# --------------------------------------------------------------------------- odc's engine per size
+SMS_SOURCE = ("derived, not measured: the engine rule and defaults of csrc at this commit "
+              "(transport_cuda_ipc.cpp fusable(), backend.cpp kDefaultSmallOpBytes 1 MiB / "
+              "kDefaultReduceBlocks 16 / kDefaultChunkCuda 32 MiB, kernels.cu launch_fused / "
+              "launch_reduce / launch_flag_op) and this run's ODC_* knobs; sms = the most SMs "
+              "holding odc's blocks at once per rank (one block per SM assumed), an upper bound")
+
+
+def _knob_values() -> dict:
+    """The ODC_* knobs the engine rule depends on, as the backend reads them (0 / -1: default)."""
+    try:
+        from torch_odc_backend.config import knobs
+        k = knobs()
+        return {"chunk_bytes": int(getattr(k, "chunk_bytes", 0) or 0),
+                "reduce_blocks": int(getattr(k, "reduce_blocks", 0) or 0),
+                "small_op_bytes": int(getattr(k, "small_op_bytes", -1)),
+                "stream_memops": bool(getattr(k, "stream_memops", False))}
+    except Exception:  # noqa: BLE001  (the knob reader moved: fall back to the defaults)
+        return {"chunk_bytes": 0, "reduce_blocks": 0, "small_op_bytes": -1, "stream_memops": False}
+
+
+def odc_engine(op: str, nbytes: int, world: int, elem_bytes: int = 2, knobs: dict | None = None) -> dict:
+    """Which engine odc's CUDA IPC transport serves ``op`` of ``nbytes`` (total) with, and the
+    SMs it holds per rank: derived from csrc (see SMS_SOURCE), not measured.
+
+    * fused kernel (one launch): every copy step <= ODC_SMALL_OP_BYTES (default 1 MiB) and, for a
+      reduce-scatter, every reduce step's fp32 worst case (elements x 4) too; world <= 8 (the
+      step / pointer caps, 40 / 96, counted from protocol.cpp: an 8-rank reduce-scatter with the
+      match check issues 39 steps and 64 pointers, so they are not modelled). Grid of ``world``
+      blocks x 1024 threads (one per lane).
+    * copy engine otherwise: data by cudaMemcpyAsync; waits / signals by one-block (32-thread)
+      flag kernels, at most one per lane stream at a time (none with ODC_STREAM_MEMOPS=1); a
+      reduce-scatter adds the owner's reduce kernel, min(ODC_REDUCE_BLOCKS (16),
+      ceil(elements per chunk / 16384)) blocks x 512 threads on lane 0 (whose flag kernels
+      run before it on the same stream).
+    """
+    k = knobs if knobs is not None else _knob_values()
+    small = (1 << 20) if k["small_op_bytes"] < 0 else k["small_op_bytes"]
+    chunk = k["chunk_bytes"] or (32 << 20)
+    blocks = k["reduce_blocks"] or 16
+    step = min(nbytes // world, chunk)  # bytes of one copy step (one ring chunk of one shard)
+    fused = small > 0 and world <= 8 and step <= small
+    if op == "reduce_scatter":
+        fused = fused and (step // elem_bytes) * 4 <= small
+    if fused:
+        return {"engine": "fused-kernel", "sms": world,
+                "detail": f"1 fused kernel: {world} blocks x 1024 threads (one per lane)"}
+    flag = 0 if k["stream_memops"] else world
+    if op == "all_gather":
+        return {"engine": "copy-engine", "sms": flag,
+                "detail": "cudaMemcpyAsync; " + (f"<= {flag} one-block flag kernels (1 x 32 threads, "
+                                                 "spinning waits) at once" if flag else "stream memory operations")}
+    per_block = 512 * 8 * 4  # launch_reduce: threads x (16 B / 2 B) x kUnroll elements per block
+    grid = max(1, min(blocks, -(-(step // elem_bytes) // per_block)))
+    others = max(0, flag - 1)
+    return {"engine": "copy-engine", "sms": grid + others,
+            "detail": f"cudaMemcpyAsync puts + reduce kernel {grid} blocks x 512 threads"
+                      + (f" + <= {others} one-block flag kernels on the other lanes" if others else "")}
+
+
+FLOOR_DEFINITION = (
+    "per size, every rank at once moves the least bytes the collective needs for it, on local "
+    "buffers: all_gather copies (W-1)/W*S bytes; reduce_scatter reads W chunks of S/W bytes and "
+    "writes their sum (S/W); each with the copy engine (cudaMemcpyAsync; for reduce_scatter the "
+    "W-1 chunks staged, then summed) and with an SM kernel (mul by 1 / torch.sum); floor_us = the "
+    "faster median (floor_engine names it: floor_ce or floor_sm); timed like odc, interleaved "
+    "with it: all ranks start together, per trial the slowest rank, median over trials")
+HOST_US_DEFINITION = ("host wall time per call to issue ops_per_trial back-to-back odc calls, "
+                      "before any synchronisation (includes any blocking inside the call); per trial "
+                      "the slowest rank, median over trials")
+
+
 # --------------------------------------------------------------------------- plotting
 def plot_results(json_path: str | os.PathLike, png_path: str | os.PathLike | None = None) -> Path | None:
     """Draw busbw vs size (both ops, both backends, log-x) beside the JSON file."""
@@ -122,8 +201,8 @@ def plot_results(json_path: str | os.PathLike, png_path: str | os.PathLike | Non
     rows = [r for r in data.get("rows", []) if r.get("op") in OPS and r.get("busbw_GBps") is not None]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     styles = {"odc": dict(color="tab:red", marker="o"), "odc_nvshmem": dict(color="tab:green", marker="^"),
-              ref: dict(color="tab:blue", marker="s")}
-    backends = [b for b in ("odc", "odc_nvshmem", ref) if any(r["backend"] == b for r in rows)]
+              ref: dict(color="tab:blue", marker="s"), "floor": dict(color="black", linestyle="--", marker=".")}
+    backends = [b for b in ("odc", "odc_nvshmem", ref, "floor") if any(r["backend"] == b for r in rows)]
     all_sizes = sorted({r["size_bytes"] for r in rows})
     for ax, op in zip(axes, OPS):
         for backend in backends:
@@ -232,7 +311,15 @@ class Bench:
                 nccl = None
         else:
             device_name, nccl = "cpu", None
-        kind = args.kind or f"{slug(device_name)}-x{self.world}"
+        lab = self.cuda and os.environ.get("ODC_LAB_MPS") == "1"  # set by benchmarks/lab.sh
+        # The floor is local copies: the floor where ranks share a GPU (the lab) and on CPU; on
+        # separate GPUs NVLink bounds the collectives instead (and the suite's time budget
+        # counts), so there it runs only when asked for.
+        shared = self.cuda and self.world > torch.cuda.device_count()
+        self.floor = bool(args.floor) if args.floor is not None else (lab or shared or not self.cuda)
+        # the lab's name: the GPU without its memory suffix ("NVIDIA H100 80GB HBM3" -> nvidia-h100)
+        lab_gpu = re.sub(r"-\d+gb(-.*)?$", "", slug(device_name))
+        kind = args.kind or (f"{lab_gpu}-mps-x{self.world}" if lab else f"{slug(device_name)}-x{self.world}")
         date = datetime.datetime.now(datetime.timezone.utc)
         self.meta = {
             "benchmark": "collectives",
@@ -247,6 +334,10 @@ class Bench:
             "date": date.isoformat(timespec="seconds"),
             "python": sys.version.split()[0],
             "reference_backend": self.ref,
+            "lab": ({"mps": True, "ranks_per_gpu": self.world,
+                     "active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
+                    if lab else None),
+            "floor": self.floor,
             "process_groups": {"odc": default if use_odc else None,
                                self.ref: ("odc group created under ODC_MATCH_CHECK=0" if self.ref == "odc_nocheck"
                                           else f"new_group(backend={self.ref!r})"),
@@ -258,7 +349,8 @@ class Bench:
             "timing": ("CUDA events on the current stream" if self.cuda else "wall clock")
                       + "; per trial the slowest rank; median over trials",
             "env": {k: v for k, v in os.environ.items()
-                    if k.startswith(("ODC_", "NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_VISIBLE"))},
+                    if k.startswith(("ODC_", "NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_VISIBLE",
+                                  "CUDA_MPS_ACTIVE"))},
             "argv": sys.argv[1:],
         }
         out_dir = Path(args.out_dir)
@@ -266,7 +358,7 @@ class Bench:
         if self.rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             self.log(f"{device_name} x{self.world}, torch {torch.__version__}, {self.ref} {nccl}, "
-                     f"backends {self.order}, writing {self.json_path}")
+                     f"backends {self.order}, floor {'on' if self.floor else 'off'}, writing {self.json_path}")
 
     # ---------------------------------------------------------------- basics
     def others(self) -> list[str]:
@@ -304,20 +396,27 @@ class Bench:
         return bool(self.reduce_floats([1.0 if flag else 0.0], "min")[0])
 
     def time_loop(self, fn, n_ops: int) -> float:
-        """Microseconds per op for ``n_ops`` back-to-back calls of ``fn``."""
+        """Microseconds per op for ``n_ops`` back-to-back calls of ``fn``.
+
+        Also sets ``self.last_host_us``: the host's time per call to issue them (wall clock
+        from before the first call to after the last, before any synchronisation; on CPU,
+        where calls complete on the host, the same as the latency)."""
         torch = self.torch
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            h0 = time.perf_counter()
             for _ in range(n_ops):
                 fn()
+            self.last_host_us = (time.perf_counter() - h0) * 1e6 / n_ops
             end.record()
             end.synchronize()
             return start.elapsed_time(end) * 1e3 / n_ops
         t0 = time.perf_counter()
         for _ in range(n_ops):
             fn()
-        return (time.perf_counter() - t0) * 1e6 / n_ops
+        self.last_host_us = (time.perf_counter() - t0) * 1e6 / n_ops
+        return self.last_host_us
 
     def ops_per_trial(self, nbytes: int) -> int:
         if self.args.ops_per_trial:
@@ -394,6 +493,47 @@ class Bench:
             torch.cuda.synchronize()
         return res
 
+    def floor_fns(self, op: str, nbytes: int, inp) -> dict:
+        """The floor of ``op`` at ``nbytes``: each rank moves the least bytes the collective needs
+        for it, on local buffers (no CUDA IPC; in the lab all ranks share one GPU's memory, so a
+        local copy of the same bytes is the same memory traffic). name -> (fn, engine):
+
+        * all_gather: copy (W-1)/W * S bytes (what the gather brings each rank), with the copy
+          engine (``copy_``: cudaMemcpyAsync device to device, as odc's copies) and with an SM
+          kernel (``torch.mul(src, 1, out=dst)``: an elementwise kernel, same bytes);
+        * reduce_scatter: read the W chunks of S/W bytes of one shard and write their sum, with
+          an SM kernel (``torch.sum`` over a (W, S/W) view of the input, fp32 accumulation);
+          and copy engine + sum: the W-1 other chunks staged by cudaMemcpyAsync, then the same
+          sum (a copy engine cannot add, so this one moves more bytes).
+        """
+        torch, n = self.torch, self.world
+        if n < 2:
+            return {}
+        shard = nbytes // 2 // n
+        kw = dict(dtype=self.dtype, device=self.device)
+        # same-device cudaMemcpyAsync: the call odc's copy path makes (in the lab its peer
+        # pointers are on the same device too), whichever unit the driver runs it on
+        ce = "cudaMemcpyAsync D2D (copy_)" if self.cuda else "memcpy (copy_)"
+        if op == "all_gather":
+            src = torch.ones((n - 1) * shard, **kw)
+            dst = torch.empty((n - 1) * shard, **kw)
+            return {"floor_ce": (lambda: dst.copy_(src), ce),
+                    "floor_sm": (lambda: torch.mul(src, 1, out=dst),
+                                 "SM kernel (elementwise mul by 1)" if self.cuda else "elementwise mul by 1")}
+        chunks = inp.view(n, shard)  # the input's W chunks: the bytes of one shard's sum
+        red = torch.empty(shard, **kw)
+        stage = torch.empty(n, shard, **kw)
+        stage[n - 1].copy_(chunks[self.rank])  # this rank's own chunk needs no transfer
+        others = inp[: (n - 1) * shard]  # as many bytes as the W-1 peers' chunks
+        flat = stage.view(-1)[: (n - 1) * shard]
+
+        def staged():
+            flat.copy_(others)
+            torch.sum(stage, dim=0, out=red)
+        return {"floor_sm": (lambda: torch.sum(chunks, dim=0, out=red),
+                             "SM kernel (torch.sum over the W chunks)" if self.cuda else "torch.sum over the W chunks"),
+                "floor_ce": (staged, ce + " of the W-1 chunks, then torch.sum")}
+
     def measure(self, op: str, nbytes: int, skip: set) -> list[dict]:
         torch, n, r = self.torch, self.world, self.rank
         numel = nbytes // 2
@@ -407,27 +547,46 @@ class Bench:
             out = torch.empty(shard, device=self.device, dtype=self.dtype)
             fns = {b: (lambda b=b: self.rs(b, out, inp)) for b in self.order}
         backends = [b for b in self.order if b not in skip]
+        floors = self.floor_fns(op, nbytes, inp) if self.floor else {}
+        for name, (fn, _) in floors.items():  # timed like a backend, interleaved with them
+            fns[name] = fn
+            backends.append(name)
         k = self.ops_per_trial(nbytes)
         for b in backends:  # warm-up (connections, buffer registration, clocks)
             for _ in range(self.args.warmup):
                 self.host_barrier()
                 self.time_loop(fns[b], k)
         times = {b: [] for b in backends}
+        host = {b: [] for b in backends}
         for i in range(self.args.trials):
             for b in (backends if i % 2 == 0 else backends[::-1]):
                 self.host_barrier()
                 times[b].append(self.time_loop(fns[b], k))
+                host[b].append(self.last_host_us)
         rows = []
         for b in backends:
             per_trial = self.reduce_floats(times[b], "max")  # the slowest rank ends the collective
+            host_us = _median(self.reduce_floats(host[b], "max"))
             lat = _median(per_trial)
             algbw = nbytes / (lat * 1e-6) / 1e9
-            rows.append({
+            row = {
                 "op": op, "backend": b, "size_bytes": nbytes, "size": size_label(nbytes),
                 "dtype": "bf16", "world_size": n, "ops_per_trial": k, "trials": len(per_trial),
                 "latency_us": lat, "latency_us_min": min(per_trial), "latency_us_p90": _pct(per_trial, 0.9),
-                "algbw_GBps": algbw, "busbw_GBps": algbw * (n - 1) / n,
-            })
+                "algbw_GBps": algbw, "busbw_GBps": algbw * (n - 1) / n, "host_us": host_us,
+            }
+            if b in floors:
+                row["engine"] = floors[b][1]
+            elif self.cuda and b in ("odc", "odc_nocheck"):
+                row.update({f"odc_{key}": v for key, v in odc_engine(op, nbytes, n).items()})
+            rows.append(row)
+        cands = [row for row in rows if row["backend"] in floors]
+        if cands:  # the floor: the faster of the two engines (by median)
+            best = min(cands, key=lambda row: row["latency_us"])
+            rows.append({**best, "backend": "floor", "floor_engine": best["backend"],
+                         "floor_bytes_moved_per_rank": (
+                             {"read": (n - 1) * shard * 2, "write": (n - 1) * shard * 2} if op == "all_gather"
+                             else {"read": n * shard * 2, "write": shard * 2})})
         return rows
 
     # ---------------------------------------------------------------- GEMM interference
@@ -560,6 +719,31 @@ class Bench:
             s[f"busbw_ratio_{b}_vs_{ref}"] = ratio
             s[f"min_busbw_ratio_ge_4MiB{suffix}"] = min4
             s[f"latency_ratio_{b}_vs_{ref}_1MiB"] = lat1
+        if any(k[1] == "odc" for k in by):  # odc per size: latency, host us, engine / SMs, floor
+            has_floor = any(k[1] == "floor" for k in by)
+            keys = ["latency_us", "host_us"] + (["engine", "sms"] if self.cuda else []) + (
+                ["floor_us", "floor_engine", "ratio_to_floor"] if has_floor else [])
+            for key in keys:
+                s[key] = {op: {} for op in OPS}
+            for op in OPS:
+                for sz in sorted({k[2] for k in by if k[0] == op}):
+                    label, o, f = size_label(sz), by.get((op, "odc", sz)), by.get((op, "floor", sz))
+                    if f:
+                        s["floor_us"][op][label] = f["latency_us"]
+                        s["floor_engine"][op][label] = f["floor_engine"]
+                    if o:
+                        s["latency_us"][op][label] = o["latency_us"]
+                        s["host_us"][op][label] = o.get("host_us")
+                        if "odc_engine" in o:
+                            s["engine"][op][label] = o["odc_engine"]
+                            s["sms"][op][label] = o["odc_sms"]
+                    if o and f and f["latency_us"]:
+                        s["ratio_to_floor"][op][label] = o["latency_us"] / f["latency_us"]
+            if has_floor:
+                s["floor_definition"] = FLOOR_DEFINITION
+            if self.cuda:
+                s["sms_source"] = SMS_SOURCE
+            s["host_us_definition"] = HOST_US_DEFINITION
         s["peak_busbw_GBps"] = {op: {b: max((r["busbw_GBps"] for k, r in by.items() if k[0] == op and k[1] == b),
                                             default=None) for b in self.order} for op in OPS}
         gemm = [r for r in self.rows if r["op"] == "gemm"]
@@ -625,6 +809,16 @@ class Bench:
                                   else " " * (w - 3) + "n/a" for b in others)
                 print(f"{op:<15}{size_label(sz):>8} | " + " ".join(f(rows[b], "latency_us", w, 1) for b in self.order)
                       + " | " + " ".join(f(rows[b], "busbw_GBps", w, 1) for b in self.order) + " | " + ratios)
+        if any(k[1] == "floor" for k in by):
+            print(f"\n{'op':<15}{'size':>8} | {'odc us':>9} {'floor us':>9} {'floor by':>9} {'odc/floor':>9} | "
+                  f"{'host us':>8} | odc engine (SMs, derived)")
+            for op in OPS:
+                for sz in sorted({k[2] for k in by if k[0] == op}):
+                    o, fl = by.get((op, "odc", sz)), by.get((op, "floor", sz))
+                    ratio = f"{o['latency_us'] / fl['latency_us']:9.2f}" if o and fl else f"{'n/a':>9}"
+                    eng = f"{o['odc_engine']} ({o['odc_sms']})" if o and "odc_engine" in o else "-"
+                    print(f"{op:<15}{size_label(sz):>8} | {f(o, 'latency_us', 9, 1)} {f(fl, 'latency_us', 9, 1)} "
+                          f"{(fl['floor_engine'] if fl else 'n/a'):>9} {ratio} | {f(o, 'host_us', 8, 1)} | {eng}")
         for g in (r for r in self.rows if r["op"] == "gemm"):
             print(f"gemm {g['gemm_n']} with {g['ag_size']} all-gather [{g['backend']:>5}]: "
                   f"{g['gemm_ms_per_iter']:.3f} ms/iter, slowdown {100 * g['slowdown']:6.2f}%"
@@ -705,6 +899,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed loops per backend per size")
     p.add_argument("--ops-per-trial", type=int, default=0, help="0 = by size (20 / 10 / 5)")
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the floor per size (the least bytes each rank must move, on local "
+                        "buffers, copy engine and SM kernel, the faster counts) and report odc time / "
+                        "floor; default: on in the lab (ODC_LAB_MPS=1 or ranks sharing a GPU) and on CPU")
     p.add_argument("--no-gemm", action="store_true")
     p.add_argument("--gemm-n", type=int, default=8192)
     p.add_argument("--gemm-iters", type=int, default=20, help="GEMMs per timed loop")

@@ -1,0 +1,125 @@
+"""The one-GPU lab's CPU-checkable parts: benchmarks/lab.sh always stops its MPS daemon (a stub
+nvidia-cuda-mps-control stands in for the real one), the collectives benchmark's floor and
+summary fields on CPU, and the engine rule it derives from csrc (the GPU run is the lab itself,
+docs/performance.md)."""
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAB = REPO / "benchmarks" / "lab.sh"
+KiB, MiB = 1 << 10, 1 << 20
+
+STUB = """#!/usr/bin/env bash
+if [ "${1:-}" = "-d" ]; then : > "$CUDA_MPS_PIPE_DIRECTORY/control"; echo "up $CUDA_MPS_PIPE_DIRECTORY" >> "$STUB_LOG"; exit 0; fi
+echo "$(cat) $CUDA_MPS_PIPE_DIRECTORY" >> "$STUB_LOG"; rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+"""
+# stands in for torchrun: records its arguments and the environment, exits with the code asked for
+LAUNCHER = """import json, os, sys
+json.dump({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in (
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PIPE_DIRECTORY", "ODC_LAB_MPS", "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")}}, open(os.environ["LAUNCH_LOG"], "w"))
+sys.exit(int(sys.argv[-1]))
+"""
+
+
+@pytest.fixture
+def stub(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ctl = bin_dir / "nvidia-cuda-mps-control"
+    ctl.write_text(STUB)
+    ctl.chmod(ctl.stat().st_mode | stat.S_IEXEC)
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(LAUNCHER)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+               STUB_LOG=str(tmp_path / "stub.log"), LAUNCH_LOG=str(tmp_path / "launch.json"),
+               TORCHRUN=f"{sys.executable} {launcher}", TMPDIR=str(tmp_path))
+    return tmp_path, env
+
+
+def lab(env, *args):
+    return subprocess.run(["bash", str(LAB), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_lab_stops_its_daemon_whatever_the_run_ends_with(stub, code):
+    tmp, env = stub
+    proc = lab(env, "--ranks", "4", "--sm-share", "--", "script.py", "--x", str(code))
+    assert proc.returncode == code, proc.stderr
+    up, quit_ = (tmp / "stub.log").read_text().splitlines()
+    assert up.startswith("up ") and quit_.startswith("quit ")
+    assert up.split()[1] == quit_.split()[1]  # the same private pipe directory
+    launched = json.loads((tmp / "launch.json").read_text())
+    assert launched["argv"] == ["--standalone", "--nproc-per-node=4", "script.py", "--x", str(code)]
+    e = launched["env"]
+    assert e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and e["ODC_LAB_MPS"] == "1"
+    assert e["CUDA_MPS_PIPE_DIRECTORY"].startswith(str(tmp))
+    assert (e["NCCL_NVLS_ENABLE"], e["TORCH_SYMM_MEM_DISABLE_MULTICAST"], e["NVSHMEM_DISABLE_NVLS"]) == ("0", "1", "1")
+    assert not list(tmp.glob("odc-lab.*"))  # its temporary directory is gone
+
+
+def test_lab_without_sm_share_leaves_the_sms_shared(stub):
+    tmp, env = stub
+    proc = lab(dict(env, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="10"), "--ranks", "2", "--", "s.py", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp / "launch.json").read_text())["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] is None
+
+
+def test_lab_refuses_clearly_without_mps(stub):
+    _, env = stub
+    proc = lab(dict(env, PATH="/usr/bin:/bin"), "--ranks", "2", "--", "s.py", "0")
+    assert proc.returncode == 3 and "nvidia-cuda-mps-control not found" in proc.stderr
+
+
+def test_lab_rejects_bad_arguments(stub):
+    _, env = stub
+    assert lab(env, "--ranks", "two", "--", "s.py").returncode == 2
+    assert lab(env, "--ranks", "2").returncode == 2
+
+
+def test_engine_rule():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from collectives import odc_engine
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    default = {"chunk_bytes": 0, "reduce_blocks": 0, "small_op_bytes": -1, "stream_memops": False}
+    # all-gather: fused while a shard is <= 1 MiB; then the copy engine with one flag block per lane
+    assert odc_engine("all_gather", 2 * MiB, 2, knobs=default)["engine"] == "fused-kernel"
+    assert odc_engine("all_gather", 2 * MiB, 2, knobs=default)["sms"] == 2
+    ce = odc_engine("all_gather", 4 * MiB, 2, knobs=default)
+    assert (ce["engine"], ce["sms"]) == ("copy-engine", 2)
+    assert odc_engine("all_gather", 4 * MiB, 2, knobs=dict(default, stream_memops=True))["sms"] == 0
+    # reduce-scatter: the fp32 worst case of the reduce step halves the bf16 threshold
+    assert odc_engine("reduce_scatter", 1 * MiB, 2, knobs=default)["engine"] == "fused-kernel"
+    rs = odc_engine("reduce_scatter", 2 * MiB, 2, knobs=default)
+    assert (rs["engine"], rs["sms"]) == ("copy-engine", 16 + 1)
+    assert odc_engine("reduce_scatter", 256 * MiB, 4, knobs=dict(default, reduce_blocks=4))["sms"] == 4 + 3
+    assert odc_engine("all_gather", 4 * KiB, 2, knobs=dict(default, small_op_bytes=0))["engine"] == "copy-engine"
+    assert odc_engine("all_gather", 4 * KiB, 16, knobs=default)["engine"] == "copy-engine"  # > 8 lanes
+
+
+def test_collectives_cpu_floor_and_summary(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "benchmarks" / "collectives.py"), "--device", "cpu", "--sizes", "64K",
+         "--trials", "2", "--warmup", "1", "--out-dir", str(tmp_path)],
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (path,) = tmp_path.glob("collectives_cpu-x2_*.json")
+    doc = json.loads(path.read_text())
+    s = doc["summary"]
+    assert s["all_checks_passed"] and doc["complete"]
+    for key in ("latency_us", "floor_us", "ratio_to_floor", "host_us", "floor_engine"):
+        for op in ("all_gather", "reduce_scatter"):
+            assert set(s[key][op]) == {"64KiB"}, (key, op)
+    assert s["floor_engine"]["all_gather"]["64KiB"] in ("floor_ce", "floor_sm")
+    assert s["ratio_to_floor"]["all_gather"]["64KiB"] == pytest.approx(
+        s["latency_us"]["all_gather"]["64KiB"] / s["floor_us"]["all_gather"]["64KiB"])
+    assert {r["backend"] for r in doc["rows"] if r["op"] == "reduce_scatter"} >= {"odc", "floor", "floor_ce", "floor_sm"}

@@ -31,11 +31,6 @@
 namespace odc {
 namespace {
 
-constexpr size_t kDefaultChunkCpu = 1 << 20;
-constexpr int kDefaultReduceBlocks = 16;
-constexpr int kDefaultAccumulateBlocks = 16;
-constexpr size_t kDefaultSmallOpBytes = 1 << 20;
-
 // The Work of a one-sided collective. CPU work is complete when returned; CUDA
 // work completes on the operation's stream, and wait() only makes the caller's
 // current stream wait for it (the CPU never blocks).
@@ -165,15 +160,21 @@ bool shared_by_ranks(const TransportArgs& a, const std::vector<std::vector<uint8
 #endif
 
 OdcBackend::OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                       std::chrono::milliseconds timeout, std::string group_name,
-                       InnerFactory inner, Knobs knobs, SplitFactory split_factory)
+                       c10::intrusive_ptr<odc::Options> options, InnerFactory inner,
+                       SplitFactory split_factory)
     : Backend(rank, size),
       store_(std::move(store)),
-      timeout_(timeout),
-      group_name_(std::move(group_name)),
+      options_(options ? std::move(options) : odc::Options::create()),
       inner_factory_(std::move(inner)),
-      knobs_(std::move(knobs)),
-      split_factory_(std::move(split_factory)) {}
+      split_factory_(std::move(split_factory)) {
+  ODC_CHECK(options_->global_ranks_in_group.empty() ||
+                options_->global_ranks_in_group.size() == static_cast<size_t>(size),
+            ValueError, "odc: options.global_ranks_in_group names ",
+            options_->global_ranks_in_group.size(), " ranks for a group of ", size);
+  if (options_->global_ranks_in_group.empty()) {  // the default group: global rank = group rank
+    for (int r = 0; r < size; ++r) options_->global_ranks_in_group.push_back(r);
+  }
+}
 
 OdcBackend::~OdcBackend() {
 #ifdef ODC_WITH_CUDA
@@ -189,17 +190,12 @@ OdcBackend::~OdcBackend() {
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> OdcBackend::getBackendOptions() {
-  auto o = c10::make_intrusive<OdcOptions>(timeout_);
-  o->group_name = group_name_;
-  for (int r : global_ranks()) o->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
-  return o;
+  return options_->clone();  // a copy: c10d's split sets its group name on what it gets
 }
 
 std::vector<int> OdcBackend::global_ranks() const {
-  if (!knobs_.global_ranks.empty()) return knobs_.global_ranks;
-  std::vector<int> all(getSize());  // the default group: global rank = group rank
-  for (int r = 0; r < getSize(); ++r) all[r] = r;
-  return all;
+  const auto& g = options_->global_ranks_in_group;
+  return std::vector<int>(g.begin(), g.end());
 }
 
 void OdcBackend::eagerConnectSingleDevice(at::Device device) {
@@ -222,12 +218,18 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10
   const std::vector<int> parent = global_ranks();
   std::vector<int> global;
   for (int r : ranks) global.push_back(parent[r]);
-  std::string name = opts && !opts->group_name.empty() ? opts->group_name : group_name_ + ":split";
+  // The new group's options: odc options handed back (c10d's copy of getBackendOptions, or
+  // the caller's), else this group's; then the new group's name, ranks and timeout.
+  const auto* given = dynamic_cast<const odc::Options*>(opts.get());
+  c10::intrusive_ptr<odc::Options> o = given ? given->clone() : options_->clone();
+  o->group_name = opts && !opts->group_name.empty() ? opts->group_name
+                                                     : options_->group_name + ":split";
+  o->global_ranks_in_group.assign(global.begin(), global.end());
+  o->timeout = opts ? opts->timeout : options_->timeout;
   // The new group's keys live apart from those of other backends split with it (gloo).
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("odc/", store);
   return split_factory_(prefixed, static_cast<int>(me - ranks.begin()),
-                        static_cast<int>(ranks.size()), opts ? opts->timeout : timeout_, name,
-                        global);
+                        static_cast<int>(ranks.size()), o);
 }
 
 void OdcBackend::release_inners(bool abort) {
@@ -272,14 +274,14 @@ void OdcBackend::settle_default_backend_type() {
 }
 
 void OdcBackend::check_usable() {
-  ODC_CHECK(broken_.empty(), Error, "odc: group '", group_name_,
+  ODC_CHECK(broken_.empty(), Error, "odc: group '", options_->group_name,
               "' is unusable after an earlier communication error: ", broken_);
 }
 
 Channel& OdcBackend::channel(const c10::Device& device) {
   auto it = channels_.find(device.type());
   if (it != channels_.end()) {
-    ODC_CHECK(it->second.device == device, ValueError, "odc: group '", group_name_,
+    ODC_CHECK(it->second.device == device, ValueError, "odc: group '", options_->group_name,
                       "' moves data on ", it->second.device, " but got a tensor on ", device,
                       "; use one device per process (torch.cuda.set_device)");
     return it->second;
@@ -291,61 +293,48 @@ Channel& OdcBackend::channel(const c10::Device& device) {
   a.store = store_;
   a.rank = getRank();
   a.world = getSize();
-  a.timeout = timeout_;
+  a.timeout = options_->timeout;
   a.key_prefix = cuda ? "odc_cuda/" : "odc_shm/";
-  const size_t chunk = knobs_.chunk_bytes ? knobs_.chunk_bytes
-                                          : (cuda ? kDefaultChunkCuda : kDefaultChunkCpu);
-  const int slots = knobs_.ring_slots ? knobs_.ring_slots : kDefaultSlots;
+  const size_t chunk = options_->chunk_bytes_for(cuda);
+  const int slots = options_->ring_slots;
   try {
     a.layout = WindowLayout(getSize(), chunk, slots);
     if (cuda) {
 #ifdef ODC_WITH_CUDA
-      const int blocks = knobs_.reduce_blocks ? knobs_.reduce_blocks : kDefaultReduceBlocks;
-      const size_t small = knobs_.small_op_bytes < 0 ? kDefaultSmallOpBytes
-                                                     : static_cast<size_t>(knobs_.small_op_bytes);
-      const int acc_blocks =
-          knobs_.accumulate_blocks ? knobs_.accumulate_blocks : kDefaultAccumulateBlocks;
+      const odc::Options& o = *options_;
       // Per peer: CUDA IPC on this host; NVSHMEM for peers on other hosts (ODC_HOST_SIZE),
       // or for every peer with ODC_TRANSPORT=nvshmem.
-      std::vector<int> pes = knobs_.global_ranks;
-      if (pes.empty()) {
-        for (int r = 0; r < getSize(); ++r) pes.push_back(r);
-      }
+      std::vector<int> pes = global_ranks();
       std::vector<bool> routed(getSize(), false);
-      bool any_routed = false;
-      for (int r = 0; r < getSize() && knobs_.transport != 2; ++r) {
-        const int n = knobs_.host_size;
-        routed[r] = r != getRank() &&
-                    (knobs_.transport == 1 || (n > 0 && pes[r] / n != pes[getRank()] / n));
-        any_routed = any_routed || routed[r];
-      }
+      for (int r = 0; r < getSize(); ++r) routed[r] = o.routes_peer(pes[getRank()], pes[r]);
       // CUDA IPC reaches only this host's GPUs: a peer the knobs put on this host but whose
       // host name differs would fail later, obscurely, in cudaIpcOpenMemHandle.
       const auto places = gpu_places(a, device.index());
       for (int r = 0; r < getSize(); ++r) {
         ODC_CHECK(routed[r] || host_of(places[r]) == host_of(places[getRank()]), ValueError,
-                  "odc: group '", group_name_, "': rank ", r, " runs on host '", host_of(places[r]),
+                  "odc: group '", options_->group_name, "': rank ", r, " runs on host '", host_of(places[r]),
                   "' and this rank (", getRank(), ") on '", host_of(places[getRank()]),
-                  "', but ", knobs_.transport == 2 ? "ODC_TRANSPORT=ipc" : (knobs_.host_size > 0
-                  ? cat("ODC_HOST_SIZE=", knobs_.host_size) : std::string("ODC_HOST_SIZE (unset)")),
+                  "', but ", o.transport == TransportKind::CudaIpc ? "ODC_TRANSPORT=ipc" : (options_->host_size > 0
+                  ? cat("ODC_HOST_SIZE=", options_->host_size) : std::string("ODC_HOST_SIZE (unset)")),
                   " puts them on one host, where odc reaches peers through CUDA IPC. Set "
                   "ODC_HOST_SIZE to the ranks per host (torchrun's --nproc-per-node) on every rank,"
                   " with an ODC_WITH_NVSHMEM=1 build: peers on other hosts then go over NVSHMEM");
       }
       std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
-      if (knobs_.transport == 1 || any_routed) {
+      const std::vector<int64_t> group(pes.begin(), pes.end());
+      if (o.uses_nvshmem(group)) {
 #ifdef ODC_WITH_NVSHMEM
         memory = nvshmem::make_memory(std::move(pes), std::move(routed), device.index(),
-                                      knobs_.nvshmem_stage_always);
+                                      options_->nvshmem_stage_always);
 #else
         ODC_CHECK(false, ValueError, "odc: ",
-                  knobs_.transport == 1 ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
+                  o.transport == TransportKind::Nvshmem ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
                   " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
 #endif
       }
-      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks, acc_blocks,
-                                                        small, knobs_.stream_memops,
-                                                        std::move(memory));
+      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), o.reduce_blocks,
+                                                        o.accumulate_blocks, o.small_op_bytes,
+                                                        o.stream_memops, std::move(memory));
       c10::cuda::CUDAGuard g(device.index());
       cudaStream_t s;
       int lo = 0, hi = 0;
@@ -363,7 +352,7 @@ Channel& OdcBackend::channel(const c10::Device& device) {
       // Shared memory reaches only this host's processes: say so instead of timing out.
       const auto hosts = exchange_blobs(a, "host", this_host());
       for (int r = 0; r < getSize(); ++r) {
-        ODC_CHECK(hosts[r] == hosts[getRank()], ValueError, "odc: group '", group_name_,
+        ODC_CHECK(hosts[r] == hosts[getRank()], ValueError, "odc: group '", options_->group_name,
                   "': rank ", r, " runs on host '", std::string(hosts[r].begin(), hosts[r].end()),
                   "' and this rank (", getRank(), ") on '",
                   std::string(hosts[getRank()].begin(), hosts[getRank()].end()),
@@ -377,7 +366,7 @@ Channel& OdcBackend::channel(const c10::Device& device) {
   } catch (const std::exception& e) {
     ODC_CHECK(false, Error, "odc: could not set up the ",
               (cuda ? "CUDA" : "shared-memory"),
-                " transport of group '", group_name_, "' (", a.layout.total >> 20,
+                " transport of group '", options_->group_name, "' (", a.layout.total >> 20,
                 " MiB window): ", e.what());
   }
   ch.protocol = std::make_unique<Protocol>(getRank(), getSize(), a.layout, ch.transport.get());
@@ -442,7 +431,7 @@ ReduceSpec OdcBackend::reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op
 
 uint64_t OdcBackend::desc(OpKind kind, const at::Tensor& t, uint64_t bytes, RedOp op,
                           bool reduces, int root) const {
-  return knobs_.match_check ? op_desc(kind, static_cast<int>(t.scalar_type()), bytes,
+  return options_->match_check ? op_desc(kind, static_cast<int>(t.scalar_type()), bytes,
                                       reduces ? 1 + static_cast<int>(op) : 0, root)
                             : 0;
 }

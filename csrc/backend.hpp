@@ -17,48 +17,17 @@
 #include <mutex>  // also std::once_flag
 #include <string>
 
+#include "options.hpp"
 #include "protocol.hpp"
 #include "transport.hpp"
 
 namespace odc {
 
 using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::string&)>;
-// Makes the odc backend of a group split from this one (the Python layer: knobs, inner
-// backends): (store, rank, size, timeout, group name, the group's global ranks).
+// Makes the odc backend of a group split from this one (the Python layer: inner backends,
+// counters): (store, rank, size, the new group's options: cloned from this group's).
 using SplitFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
-    const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
-    const std::string&, const std::vector<int>&)>;
-
-// The backend's options (what c10d's split_group deep-copies and hands back to split()).
-struct OdcOptions final : c10d::Backend::Options {
-  explicit OdcOptions(std::chrono::milliseconds timeout = kBackendDefaultTimeout)
-      : Options("odc", timeout) {}
-};
-
-// Ring defaults (ODC_CHUNK_BYTES / ODC_RING_SLOTS unset); Python sizes NVSHMEM's slab from them.
-constexpr size_t kDefaultChunkCuda = 32 << 20;
-constexpr int kDefaultSlots = 4;
-
-struct Knobs {
-  size_t chunk_bytes = 0;  // 0: per-device default
-  int ring_slots = 0;
-  int reduce_blocks = 0;
-  int accumulate_blocks = 0;  // decoupled put-accumulate kernel, per peer
-  int64_t small_op_bytes = -1;  // -1: default; 0: no fused small-op kernel
-  bool stream_memops = false;   // CUDA waits/signals as stream memory operations
-  int transport = 0;  // CUDA peers: 0 auto (NVSHMEM for other hosts), 1 all NVSHMEM, 2 all CUDA IPC
-  int host_size = 0;  // global ranks per host (ranks g, h on one host iff g / n == h / n); 0: one host
-  std::vector<int> global_ranks;  // the group's ranks in the default group (NVSHMEM PEs)
-  bool match_check = true;  // ODC_MATCH_CHECK: peers check each collective's descriptor
-  // ODC_SELF_SERVE: who serves the collectives FSDP does not issue (all-reduce, broadcast,
-  // ...): 0 the inner gloo / NCCL backend, 1 odc itself, 2 (auto) odc itself for CUDA
-  // tensors when ranks share a GPU or NCCL is absent, the inner backend otherwise
-  int self_serve = 2;
-  bool nccl_available = true;
-  // ODC_NVSHMEM_STAGE=always: routed copies stage their local side to every routed peer, not
-  // only to network peers (runs the network path where NVSHMEM maps every peer)
-  bool nvshmem_stage_always = false;
-};
+    const c10::intrusive_ptr<c10d::Store>&, int, int, const c10::intrusive_ptr<odc::Options>&)>;
 
 // Argument helpers shared by the backend's collectives (backend.cpp, own_collectives.cpp).
 DType to_dtype(at::ScalarType t, const char* api);  // TypeError for a dtype odc cannot reduce
@@ -78,14 +47,18 @@ struct Channel {
 
 class OdcBackend final : public c10d::Backend {
  public:
+  // options: its group_name and global_ranks_in_group name this group (empty ranks: the
+  // default group, global rank = group rank).
   OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-             std::chrono::milliseconds timeout, std::string group_name, InnerFactory inner,
-             Knobs knobs, SplitFactory split_factory = nullptr);
+             c10::intrusive_ptr<odc::Options> options, InnerFactory inner,
+             SplitFactory split_factory = nullptr);
   ~OdcBackend() override;
 
   const std::string getBackendName() const override { return "odc"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void setTimeout(std::chrono::milliseconds timeout) override { options_->timeout = timeout; }
+  // This group's options, as made (getBackendOptions hands out a copy).
+  const odc::Options& options() const { return *options_; }
   // init_process_group(device_id=...): DeviceMesh and split_group then split groups from
   // this one instead of creating them anew (new_group still creates them anew).
   bool supportsSplitting() const override { return true; }
@@ -262,10 +235,8 @@ class OdcBackend final : public c10d::Backend {
   std::once_flag default_type_once_;
 
   c10::intrusive_ptr<c10d::Store> store_;
-  std::chrono::milliseconds timeout_;
-  std::string group_name_;
+  c10::intrusive_ptr<odc::Options> options_;
   InnerFactory inner_factory_;
-  Knobs knobs_;
   SplitFactory split_factory_;
   std::map<c10::DeviceType, Channel> channels_;
   std::vector<ArenaEntry> arenas_;

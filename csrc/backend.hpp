@@ -1,4 +1,7 @@
-// OdcBackend: the c10d backend registered as "odc".
+// Layer 5, backend: OdcBackend, the c10d backend registered as "odc" (its face to c10d).
+// Depends on the options (options.hpp), the channels (channel.hpp: the transports and
+// protocol per device) and the arena (arena.hpp); never on a concrete transport.
+//
 //
 // All-gather and reduce-scatter (and their coalesced forms) run on the
 // one-sided protocol over a transport chosen by tensor device: host shared
@@ -17,9 +20,9 @@
 #include <mutex>  // also std::once_flag
 #include <string>
 
+#include "arena.hpp"
+#include "channel.hpp"
 #include "options.hpp"
-#include "protocol.hpp"
-#include "transport.hpp"
 
 namespace odc {
 
@@ -35,15 +38,6 @@ std::string describe(const at::Tensor& t);         // "float32[4, 8] on cuda:0"
 // Defined, on `device`, contiguous: else a ValueError naming `api` and `what`.
 void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
                   const char* what);
-
-// One transport + protocol per device type this group has moved data on.
-struct Channel {
-  std::unique_ptr<Transport> transport;
-  std::unique_ptr<Protocol> protocol;
-  c10::Device device{c10::kCPU};
-  void* async_stream = nullptr;  // CUDA: the side stream async ops run on
-  bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
-};
 
 class OdcBackend final : public c10d::Backend {
  public:

@@ -1,11 +1,12 @@
-// Python bindings: the OdcBackend class (a c10d Backend) and build facts.
+// Layer 6, bindings: the Python module _C: OdcBackend (a c10d Backend), its Options, and
+// build facts; the NVSHMEM runtime in NVSHMEM builds. Depends on the backend layer.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "backend.hpp"
 #ifdef ODC_WITH_NVSHMEM
-#include "nvshmem_runtime.hpp"
+#include "cuda/nvshmem_runtime.hpp"
 #endif
 
 namespace py = pybind11;

@@ -1,3 +1,5 @@
+// Layer 5, backend (backend.hpp).
+//
 // The collectives odc serves itself instead of its inner gloo / NCCL backend: where that
 // backend cannot (ranks sharing a GPU, which NCCL refuses; a torch without NCCL), or
 // everywhere with ODC_SELF_SERVE=1. All of them run on odc's own rings:

@@ -24,6 +24,7 @@ HOST_SOURCES = [
     "csrc/channel.cpp",
     "csrc/backend.cpp",
     "csrc/own_collectives.cpp",
+    "csrc/decoupled.cpp",
     "csrc/bindings.cpp",
 ]
 CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csrc/cuda/kernels.cu"]

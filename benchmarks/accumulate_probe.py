@@ -35,27 +35,27 @@ def measure(device, world: int, rank: int, numel: int, dtype, iters: int, blocks
     pg = dist.new_group(backend="cpu:gloo,cuda:odc" if device.type == "cuda" else "cpu:odc")
     backend = pg._get_backend(device)
     shard = numel // world
-    arena = backend.arena_create(device, [shard], [torch.empty(0, dtype=dtype).element_size()], [shard])
-    backend.arena_publish(arena, 0, torch.zeros(shard, dtype=dtype, device=device))
-    backend.arena_announce(arena, 1)
+    arena = backend.create_arena(device, [shard], [torch.empty(0, dtype=dtype).element_size()], [shard])
+    arena.publish(0, torch.zeros(shard, dtype=dtype, device=device))
+    arena.announce(1)
     rows = torch.full((world * shard,), float(rank + 1), dtype=dtype, device=device)
-    backend.arena_accumulate(arena, 0, rows)  # warm-up (counted in the check below)
+    arena.accumulate(0, rows)  # warm-up (counted in the check below)
     if device.type == "cuda":
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
     for _ in range(iters):
-        backend.arena_accumulate(arena, 0, rows)
+        arena.accumulate(0, rows)
     if device.type == "cuda":
         end.record()
         torch.cuda.synchronize()
         seconds = start.elapsed_time(end) / 1e3
     else:
         seconds = time.perf_counter() - t0
-    backend.arena_finish(arena, 1)
+    arena.finish(1)
     acc = torch.empty(shard, dtype=torch.float32, device=device)
-    backend.arena_take(arena, 0, acc)
+    arena.take(0, acc)
     expect = (iters + 1) * world * (world + 1) / 2
     bad = int((acc != expect).sum().item())
     dist.destroy_process_group(pg)

@@ -1,7 +1,6 @@
 // Layer 5, backend: OdcBackend, the c10d backend registered as "odc" (its face to c10d).
-// Depends on the options (options.hpp), the channels (channel.hpp: the transports and
-// protocol per device) and the arena (arena.hpp); never on a concrete transport.
-//
+// Depends on the options (options.hpp) and the channels (channel.hpp: the transport and
+// protocol per device); never on a concrete transport. Decoupled mode: decoupled.hpp.
 //
 // All-gather and reduce-scatter (and their coalesced forms) run on the
 // one-sided protocol over a transport chosen by tensor device: host shared
@@ -20,7 +19,6 @@
 #include <mutex>  // also std::once_flag
 #include <string>
 
-#include "arena.hpp"
 #include "channel.hpp"
 #include "options.hpp"
 
@@ -136,25 +134,15 @@ class OdcBackend final : public c10d::Backend {
   // Whether odc serves the collectives FSDP does not issue itself on `device` (ODC_SELF_SERVE).
   bool serves_itself(const c10::Device& device);
 
-  // Decoupled mode (driven by torch_odc_backend/decoupled.py): one arena per decoupled
-  // model. Collective: arena_create (returns the arena's id), arena_finish. The others
-  // act on this rank; get and accumulate touch peers' arenas one-sidedly.
-  int64_t arena_create(const c10::Device& device, const std::vector<int64_t>& shard_numel,
-                       const std::vector<int64_t>& param_elem_size,
-                       const std::vector<int64_t>& grad_numel);
-  void arena_publish(int64_t arena, int64_t group, const at::Tensor& shard);
-  void arena_announce(int64_t arena, int64_t epoch);
-  void arena_get(int64_t arena, int64_t group, const at::Tensor& out, int64_t epoch);
-  void arena_accumulate(int64_t arena, int64_t group, const at::Tensor& in);
-  void arena_finish(int64_t arena, int64_t epoch);
-  void arena_take(int64_t arena, int64_t group, const at::Tensor& out);
-  int64_t arena_size(int64_t arena);  // bytes of its shared layout on each rank
   // The inner backend for a device type ("cpu" / "cuda"), created on first use.
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);
   // The group's ranks in the default group.
   std::vector<int> global_ranks() const;
 
  private:
+  // Decoupled mode's arena (decoupled.hpp) runs its one-sided ops as this group's collectives:
+  // under its lock, on its channel, with its sequence numbers and counters.
+  friend class DecoupledArena;
   enum class Kind { AllGather, ReduceScatter };
   void release_inners(bool abort);
   c10::intrusive_ptr<c10d::Work> run(Kind kind, std::vector<at::Tensor>& outputs,
@@ -206,18 +194,6 @@ class OdcBackend final : public c10d::Backend {
                                             std::vector<at::Tensor>& inputs,
                                             const c10d::GatherOptions& opts);
   c10::intrusive_ptr<c10d::Work> own_barrier(const c10::Device& device);
-  struct ArenaEntry {
-    c10::Device device;
-    std::unique_ptr<Arena> arena;
-    Transport* transport;
-  };
-  ArenaEntry& arena_at(int64_t arena, const char* what);
-  ArenaEntry& arena_at(int64_t arena, int64_t group, const char* what);  // and a valid group
-  // Runs fn between the transport's begin_op / end_op on the current stream (CUDA).
-  template <typename F>
-  void arena_op(ArenaEntry& e, Transport::Ring ring, F&& fn);
-  template <typename F>
-  void arena_call(F&& body);
   void check_usable();
   // Once, at the group's first use: init_process_group leaves some groups with odc without
   // a default backend type that has a backend in the group: "cpu:gloo,cuda:odc" gets none
@@ -233,7 +209,6 @@ class OdcBackend final : public c10d::Backend {
   InnerFactory inner_factory_;
   SplitFactory split_factory_;
   std::map<c10::DeviceType, Channel> channels_;
-  std::vector<ArenaEntry> arenas_;
   std::mutex inner_mu_;  // guards inners_; held while a factory (Python) creates one
   std::map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>> inners_;
   std::mutex mu_;  // ops on one group may be issued from several threads

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "backend.hpp"
+#include "decoupled.hpp"
 #ifdef ODC_WITH_NVSHMEM
 #include "cuda/nvshmem_runtime.hpp"
 #endif
@@ -125,24 +126,18 @@ PYBIND11_MODULE(_C, m) {
       .def("lookup", &odc::OdcBackend::lookup, py::arg("key"),
            py::call_guard<py::gil_scoped_release>(),
            "The group-wide value `key`, waiting for it up to the group's timeout.")
-      .def("arena_create", &odc::OdcBackend::arena_create, py::arg("device"),
-           py::arg("shard_numel"), py::arg("param_elem_size"), py::arg("grad_numel"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Decoupled mode: create an arena (collective); returns its id.")
-      .def("arena_publish", &odc::OdcBackend::arena_publish, py::arg("arena"), py::arg("group"),
-           py::arg("shard"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_announce", &odc::OdcBackend::arena_announce, py::arg("arena"),
-           py::arg("epoch"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_get", &odc::OdcBackend::arena_get, py::arg("arena"), py::arg("group"),
-           py::arg("out"), py::arg("epoch"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_accumulate", &odc::OdcBackend::arena_accumulate, py::arg("arena"),
-           py::arg("group"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_finish", &odc::OdcBackend::arena_finish, py::arg("arena"), py::arg("epoch"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Decoupled mode: the minibatch's synchronisation (collective).")
-      .def("arena_take", &odc::OdcBackend::arena_take, py::arg("arena"), py::arg("group"),
-           py::arg("out"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_size", &odc::OdcBackend::arena_size, py::arg("arena"))
+      .def(
+          "create_arena",
+          [](const c10::intrusive_ptr<odc::OdcBackend>& self, const c10::Device& device,
+             const std::vector<int64_t>& shard_numel, const std::vector<int64_t>& param_elem_size,
+             const std::vector<int64_t>& grad_numel) {
+            return odc::DecoupledArena::create(self, device, shard_numel, param_elem_size,
+                                               grad_numel);
+          },
+          py::arg("device"), py::arg("shard_numel"), py::arg("param_elem_size"),
+          py::arg("grad_numel"), py::call_guard<py::gil_scoped_release>(),
+          "Decoupled mode: create an arena on `device` (collective): per parameter group its "
+          "shard elements, parameter element size and accumulator elements.")
       .def(
           "inner",
           [](odc::OdcBackend& self, const std::string& device) {
@@ -150,6 +145,23 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("device"), py::call_guard<py::gil_scoped_release>(),
           "The inner backend that takes this group's delegated collectives on a device type.");
+
+  // Decoupled mode's arena: it holds its backend, whose transport holds its memory.
+  using A = odc::DecoupledArena;
+  py::class_<A, std::shared_ptr<A>>(backend, "Arena",
+                                    "Decoupled mode's arena (OdcBackend.create_arena).")
+      .def("publish", &A::publish, py::arg("group"), py::arg("shard"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("announce", &A::announce, py::arg("epoch"), py::call_guard<py::gil_scoped_release>())
+      .def("get", &A::get, py::arg("group"), py::arg("out"), py::arg("epoch"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("accumulate", &A::accumulate, py::arg("group"), py::arg("input"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("finish", &A::finish, py::arg("epoch"), py::call_guard<py::gil_scoped_release>(),
+           "The minibatch's synchronisation (collective).")
+      .def("take", &A::take, py::arg("group"), py::arg("out"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("size", &A::size, "Bytes of its shared layout on each rank.");
 
 #ifdef ODC_WITH_CUDA
   m.attr("built_with_cuda") = true;

@@ -14,15 +14,21 @@ import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
+# In layer order: layout, transports, protocol and arena, channel, backend, bindings.
 HOST_SOURCES = [
-    "csrc/protocol.cpp",
+    "csrc/layout.cpp",
     "csrc/transport.cpp",
     "csrc/transport_shm.cpp",
+    "csrc/protocol.cpp",
+    "csrc/arena.cpp",
+    "csrc/channel.cpp",
     "csrc/backend.cpp",
     "csrc/own_collectives.cpp",
+    "csrc/decoupled.cpp",
+    "csrc/claims.cpp",
     "csrc/bindings.cpp",
 ]
-CUDA_SOURCES = ["csrc/transport_cuda_ipc.cpp", "csrc/kernels.cu"]
+CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csrc/cuda/kernels.cu"]
 
 def nvshmem_dirs():
     """(include, lib) of NVSHMEM: $NVSHMEM_HOME, else the nvidia-nvshmem-cu13 wheel."""
@@ -95,7 +101,7 @@ if with_cuda:
         if dirs is None or not os.path.exists(os.path.join(dirs[0], "nvshmem_host.h")):
             raise SystemExit("ODC_WITH_NVSHMEM=1: NVSHMEM not found; set NVSHMEM_HOME or "
                              "pip install nvidia-nvshmem-cu13")
-        sources.append("csrc/nvshmem_runtime.cpp")
+        sources.append("csrc/cuda/nvshmem_runtime.cpp")
         macros.append(("ODC_WITH_NVSHMEM", None))
         include_dirs.append(dirs[0])
         # the wheel ships only the versioned name; rpath finds it without LD_LIBRARY_PATH

@@ -1,3 +1,5 @@
+// Layer 5, backend: OdcBackend (backend.hpp): argument checks, launching collectives on a
+// channel, delegation to the inner backends (claims.cpp: the store-based claims).
 #include "backend.hpp"
 
 #include <ATen/core/ivalue.h>
@@ -8,17 +10,11 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <exception>  // std::uncaught_exceptions
 #include <cstring>
 
 #include "text.hpp"
-#include "transport_shm.hpp"
-#ifdef ODC_WITH_NVSHMEM
-#include "nvshmem_runtime.hpp"
-#endif
 
 #ifdef ODC_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -26,16 +22,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "transport_cuda_ipc.hpp"
+#include <cuda_runtime.h>
 #endif
 
 namespace odc {
 namespace {
-
-constexpr size_t kDefaultChunkCpu = 1 << 20;
-constexpr int kDefaultReduceBlocks = 16;
-constexpr int kDefaultAccumulateBlocks = 16;
-constexpr size_t kDefaultSmallOpBytes = 1 << 20;
 
 // The Work of a one-sided collective. CPU work is complete when returned; CUDA
 // work completes on the operation's stream, and wait() only makes the caller's
@@ -129,52 +120,23 @@ std::string describe(const at::Tensor& t) {
   return cat(c10::toString(t.scalar_type()), "[", dims, "] on ", t.device());
 }
 
-namespace {
-std::vector<uint8_t> this_host() {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return std::vector<uint8_t>(host, host + std::strlen(host));
-}
-}  // namespace
-
-#ifdef ODC_WITH_CUDA
-namespace {
-// Every rank's place: its host name, then '/' and its GPU's UUID.
-std::vector<std::vector<uint8_t>> gpu_places(const TransportArgs& a, int device) {
-  cudaDeviceProp prop;
-  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  std::vector<uint8_t> mine = this_host();
-  mine.push_back('/');
-  mine.insert(mine.end(), prop.uuid.bytes, prop.uuid.bytes + sizeof(prop.uuid.bytes));
-  return exchange_blobs(a, "device", mine);
-}
-
-std::string host_of(const std::vector<uint8_t>& place) {
-  const std::string s(place.begin(), place.end());
-  return s.substr(0, s.rfind('/'));
-}
-
-// Whether another rank of the group uses this GPU (host name and device UUID compared):
-// NCCL refuses such groups, so odc then serves the inner backend's collectives itself.
-bool shared_by_ranks(const TransportArgs& a, const std::vector<std::vector<uint8_t>>& places) {
-  for (int r = 0; r < a.world; ++r) {
-    if (r != a.rank && places[r] == places[a.rank]) return true;
-  }
-  return false;
-}
-}  // namespace
-#endif
 
 OdcBackend::OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                       std::chrono::milliseconds timeout, std::string group_name,
-                       InnerFactory inner, Knobs knobs, SplitFactory split_factory)
+                       c10::intrusive_ptr<odc::Options> options, InnerFactory inner,
+                       SplitFactory split_factory)
     : Backend(rank, size),
       store_(std::move(store)),
-      timeout_(timeout),
-      group_name_(std::move(group_name)),
+      options_(options ? std::move(options) : odc::Options::create()),
       inner_factory_(std::move(inner)),
-      knobs_(std::move(knobs)),
-      split_factory_(std::move(split_factory)) {}
+      split_factory_(std::move(split_factory)) {
+  ODC_CHECK(options_->global_ranks_in_group.empty() ||
+                options_->global_ranks_in_group.size() == static_cast<size_t>(size),
+            ValueError, "odc: options.global_ranks_in_group names ",
+            options_->global_ranks_in_group.size(), " ranks for a group of ", size);
+  if (options_->global_ranks_in_group.empty()) {  // the default group: global rank = group rank
+    for (int r = 0; r < size; ++r) options_->global_ranks_in_group.push_back(r);
+  }
+}
 
 OdcBackend::~OdcBackend() {
 #ifdef ODC_WITH_CUDA
@@ -190,17 +152,12 @@ OdcBackend::~OdcBackend() {
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> OdcBackend::getBackendOptions() {
-  auto o = c10::make_intrusive<OdcOptions>(timeout_);
-  o->group_name = group_name_;
-  for (int r : global_ranks()) o->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
-  return o;
+  return options_->clone();  // a copy: c10d's split sets its group name on what it gets
 }
 
 std::vector<int> OdcBackend::global_ranks() const {
-  if (!knobs_.global_ranks.empty()) return knobs_.global_ranks;
-  std::vector<int> all(getSize());  // the default group: global rank = group rank
-  for (int r = 0; r < getSize(); ++r) all[r] = r;
-  return all;
+  const auto& g = options_->global_ranks_in_group;
+  return std::vector<int>(g.begin(), g.end());
 }
 
 void OdcBackend::eagerConnectSingleDevice(at::Device device) {
@@ -223,12 +180,18 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10
   const std::vector<int> parent = global_ranks();
   std::vector<int> global;
   for (int r : ranks) global.push_back(parent[r]);
-  std::string name = opts && !opts->group_name.empty() ? opts->group_name : group_name_ + ":split";
+  // The new group's options: odc options handed back (c10d's copy of getBackendOptions, or
+  // the caller's), else this group's; then the new group's name, ranks and timeout.
+  const auto* given = dynamic_cast<const odc::Options*>(opts.get());
+  c10::intrusive_ptr<odc::Options> o = given ? given->clone() : options_->clone();
+  o->group_name = opts && !opts->group_name.empty() ? opts->group_name
+                                                     : options_->group_name + ":split";
+  o->global_ranks_in_group.assign(global.begin(), global.end());
+  o->timeout = opts ? opts->timeout : options_->timeout;
   // The new group's keys live apart from those of other backends split with it (gloo).
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("odc/", store);
   return split_factory_(prefixed, static_cast<int>(me - ranks.begin()),
-                        static_cast<int>(ranks.size()), opts ? opts->timeout : timeout_, name,
-                        global);
+                        static_cast<int>(ranks.size()), o);
 }
 
 void OdcBackend::release_inners(bool abort) {
@@ -273,115 +236,19 @@ void OdcBackend::settle_default_backend_type() {
 }
 
 void OdcBackend::check_usable() {
-  ODC_CHECK(broken_.empty(), Error, "odc: group '", group_name_,
+  ODC_CHECK(broken_.empty(), Error, "odc: group '", options_->group_name,
               "' is unusable after an earlier communication error: ", broken_);
 }
 
 Channel& OdcBackend::channel(const c10::Device& device) {
   auto it = channels_.find(device.type());
   if (it != channels_.end()) {
-    ODC_CHECK(it->second.device == device, ValueError, "odc: group '", group_name_,
+    ODC_CHECK(it->second.device == device, ValueError, "odc: group '", options_->group_name,
                       "' moves data on ", it->second.device, " but got a tensor on ", device,
                       "; use one device per process (torch.cuda.set_device)");
     return it->second;
   }
-  Channel ch;
-  ch.device = device;
-  const bool cuda = device.is_cuda();
-  TransportArgs a;
-  a.store = store_;
-  a.rank = getRank();
-  a.world = getSize();
-  a.timeout = timeout_;
-  a.key_prefix = cuda ? "odc_cuda/" : "odc_shm/";
-  const size_t chunk = knobs_.chunk_bytes ? knobs_.chunk_bytes
-                                          : (cuda ? kDefaultChunkCuda : kDefaultChunkCpu);
-  const int slots = knobs_.ring_slots ? knobs_.ring_slots : kDefaultSlots;
-  try {
-    a.layout = WindowLayout(getSize(), chunk, slots);
-    if (cuda) {
-#ifdef ODC_WITH_CUDA
-      const int blocks = knobs_.reduce_blocks ? knobs_.reduce_blocks : kDefaultReduceBlocks;
-      const size_t small = knobs_.small_op_bytes < 0 ? kDefaultSmallOpBytes
-                                                     : static_cast<size_t>(knobs_.small_op_bytes);
-      const int acc_blocks =
-          knobs_.accumulate_blocks ? knobs_.accumulate_blocks : kDefaultAccumulateBlocks;
-      // Per peer: CUDA IPC on this host; NVSHMEM for peers on other hosts (ODC_HOST_SIZE),
-      // or for every peer with ODC_TRANSPORT=nvshmem.
-      std::vector<int> pes = knobs_.global_ranks;
-      if (pes.empty()) {
-        for (int r = 0; r < getSize(); ++r) pes.push_back(r);
-      }
-      std::vector<bool> routed(getSize(), false);
-      bool any_routed = false;
-      for (int r = 0; r < getSize() && knobs_.transport != 2; ++r) {
-        const int n = knobs_.host_size;
-        routed[r] = r != getRank() &&
-                    (knobs_.transport == 1 || (n > 0 && pes[r] / n != pes[getRank()] / n));
-        any_routed = any_routed || routed[r];
-      }
-      // CUDA IPC reaches only this host's GPUs: a peer the knobs put on this host but whose
-      // host name differs would fail later, obscurely, in cudaIpcOpenMemHandle.
-      const auto places = gpu_places(a, device.index());
-      for (int r = 0; r < getSize(); ++r) {
-        ODC_CHECK(routed[r] || host_of(places[r]) == host_of(places[getRank()]), ValueError,
-                  "odc: group '", group_name_, "': rank ", r, " runs on host '", host_of(places[r]),
-                  "' and this rank (", getRank(), ") on '", host_of(places[getRank()]),
-                  "', but ", knobs_.transport == 2 ? "ODC_TRANSPORT=ipc" : (knobs_.host_size > 0
-                  ? cat("ODC_HOST_SIZE=", knobs_.host_size) : std::string("ODC_HOST_SIZE (unset)")),
-                  " puts them on one host, where odc reaches peers through CUDA IPC. Set "
-                  "ODC_HOST_SIZE to the ranks per host (torchrun's --nproc-per-node) on every rank,"
-                  " with an ODC_WITH_NVSHMEM=1 build: peers on other hosts then go over NVSHMEM");
-      }
-      std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
-      if (knobs_.transport == 1 || any_routed) {
-#ifdef ODC_WITH_NVSHMEM
-        memory = nvshmem::make_memory(std::move(pes), std::move(routed), device.index(),
-                                      knobs_.nvshmem_stage_always);
-#else
-        ODC_CHECK(false, ValueError, "odc: ",
-                  knobs_.transport == 1 ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
-                  " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
-#endif
-      }
-      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), blocks, acc_blocks,
-                                                        small, knobs_.stream_memops,
-                                                        std::move(memory));
-      c10::cuda::CUDAGuard g(device.index());
-      cudaStream_t s;
-      int lo = 0, hi = 0;
-      C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-      C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi));
-      ch.async_stream = s;
-      ch.shares_device = shared_by_ranks(a, places);
-#else
-      ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
-                         "built against a CPU-only torch); rebuild it where torch has CUDA");
-#endif
-    } else {
-      ODC_CHECK(device.is_cpu(), ValueError, "odc: unsupported device ", device,
-                        " (odc moves CPU and CUDA tensors)");
-      // Shared memory reaches only this host's processes: say so instead of timing out.
-      const auto hosts = exchange_blobs(a, "host", this_host());
-      for (int r = 0; r < getSize(); ++r) {
-        ODC_CHECK(hosts[r] == hosts[getRank()], ValueError, "odc: group '", group_name_,
-                  "': rank ", r, " runs on host '", std::string(hosts[r].begin(), hosts[r].end()),
-                  "' and this rank (", getRank(), ") on '",
-                  std::string(hosts[getRank()].begin(), hosts[getRank()].end()),
-                  "'; odc moves CPU tensors through this host's shared memory only. Across hosts, "
-                  "let gloo move CPU tensors: init_process_group('cpu:gloo,cuda:odc')");
-      }
-      ch.transport = std::make_unique<ShmTransport>(a);
-    }
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    ODC_CHECK(false, Error, "odc: could not set up the ",
-              (cuda ? "CUDA" : "shared-memory"),
-                " transport of group '", group_name_, "' (", a.layout.total >> 20,
-                " MiB window): ", e.what());
-  }
-  ch.protocol = std::make_unique<Protocol>(getRank(), getSize(), a.layout, ch.transport.get());
+  Channel ch = make_channel(device, *options_, store_, getRank(), getSize());
   return channels_.emplace(device.type(), std::move(ch)).first->second;
 }
 
@@ -463,7 +330,7 @@ ReduceSpec OdcBackend::reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op
 
 uint64_t OdcBackend::desc(OpKind kind, const at::Tensor& t, uint64_t bytes, RedOp op,
                           bool reduces, int root) const {
-  return knobs_.match_check ? op_desc(kind, static_cast<int>(t.scalar_type()), bytes,
+  return options_->match_check ? op_desc(kind, static_cast<int>(t.scalar_type()), bytes,
                                       reduces ? 1 + static_cast<int>(op) : 0, root)
                             : 0;
 }
@@ -775,193 +642,6 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o
 void OdcBackend::count(const std::string& key, uint64_t n) {
   std::lock_guard<std::mutex> lock(stats_mu_);
   stats_[key] += n;
-}
-
-// ---- Decoupled mode
-
-namespace {
-void check_arena_tensor(const at::Tensor& t, const c10::Device& device, size_t bytes,
-                        const char* what) {
-  ODC_CHECK(t.defined() && t.is_contiguous(), ValueError, "odc: decoupled ", what,
-            ": the tensor must be defined and contiguous");
-  ODC_CHECK(t.device() == device, ValueError, "odc: decoupled ", what, ": tensor on ",
-            t.device(), " but the arena is on ", device);
-  ODC_CHECK(t.numel() * t.element_size() == static_cast<int64_t>(bytes), ValueError,
-            "odc: decoupled ", what, ": ", t.numel() * t.element_size(), " bytes given, ",
-            bytes, " expected (the parameter group's layout changed?)");
-}
-}  // namespace
-
-OdcBackend::ArenaEntry& OdcBackend::arena_at(int64_t arena, const char* what) {
-  ODC_CHECK(arena >= 0 && arena < static_cast<int64_t>(arenas_.size()), Error, "odc: decoupled ",
-            what, ": no arena ", arena, " (call odc.decouple first)");
-  return arenas_[arena];
-}
-
-OdcBackend::ArenaEntry& OdcBackend::arena_at(int64_t arena, int64_t group, const char* what) {
-  ArenaEntry& e = arena_at(arena, what);
-  ODC_CHECK(group >= 0 && group < static_cast<int64_t>(e.arena->layout().numel.size()),
-            ValueError, "odc: decoupled ", what, ": unknown parameter group ", group);
-  return e;
-}
-
-template <typename F>
-void OdcBackend::arena_call(F&& body) {
-  settle_default_backend_type();
-  std::lock_guard<std::mutex> lock(mu_);
-  check_usable();
-  try {
-    body();
-  } catch (const c10::Error&) {
-    throw;  // argument errors: nothing was issued
-  } catch (const std::exception& e) {
-    // a timeout, a dead peer or a failed launch: counters may be half advanced
-    broken_ = e.what();
-    C10_THROW_ERROR(DistBackendError, broken_);
-  }
-}
-
-template <typename F>
-void OdcBackend::arena_op(ArenaEntry& e, Transport::Ring ring, F&& fn) {
-  const std::string err = e.transport->async_error();
-  if (!err.empty()) throw CommError(err);
-  void* stream = nullptr;
-#ifdef ODC_WITH_CUDA
-  if (e.device.is_cuda()) stream = c10::cuda::getCurrentCUDAStream(e.device.index()).stream();
-#endif
-  e.transport->begin_op(stream, ring);
-  fn();
-  e.transport->end_op();
-}
-
-int64_t OdcBackend::arena_create(const c10::Device& device,
-                                 const std::vector<int64_t>& shard_numel,
-                                 const std::vector<int64_t>& param_elem_size,
-                                 const std::vector<int64_t>& grad_numel) {
-  int64_t id = -1;
-  arena_call([&] {
-    ODC_CHECK(shard_numel.size() == param_elem_size.size() &&
-                  shard_numel.size() == grad_numel.size(),
-              ValueError, "odc: decoupled: one shard size, element size and gradient size per "
-              "parameter group expected");
-    for (size_t g = 0; g < shard_numel.size(); ++g) {
-      ODC_CHECK(shard_numel[g] >= 0 && grad_numel[g] >= 0 && grad_numel[g] <= shard_numel[g] &&
-                    (param_elem_size[g] == 2 || param_elem_size[g] == 4 ||
-                     param_elem_size[g] == 8),
-                ValueError, "odc: decoupled: bad sizes for parameter group ", g);
-    }
-    Channel& ch = channel(device);
-    bool accumulators = false;
-    for (int64_t g : grad_numel) accumulators = accumulators || g > 0;
-    ODC_CHECK(!accumulators || ch.transport->accumulates_everywhere(), ValueError,
-              "odc: decoupled mode's put-accumulate cannot reach peers over NVSHMEM (no float "
-              "atomics): use odc.decouple(model, optimizer, accumulate='local')");
-    std::vector<size_t> n(shard_numel.begin(), shard_numel.end());
-    std::vector<size_t> e(param_elem_size.begin(), param_elem_size.end());
-    std::vector<size_t> gn(grad_numel.begin(), grad_numel.end());
-    ArenaLayout layout(getSize(), n, e, gn);
-    int tid = -1;
-    try {
-      tid = ch.transport->create_arena(layout.total);
-    } catch (const CommError&) {
-      throw;
-    } catch (const std::exception& ex) {
-      C10_THROW_ERROR(Error, cat("odc: could not create the decoupled-mode arena (",
-                                 layout.total >> 20, " MiB): ", ex.what()));
-    }
-    arenas_.push_back(ArenaEntry{
-        device,
-        std::make_unique<Arena>(getRank(), getSize(), std::move(layout), ch.transport.get(), tid),
-        ch.transport.get()});
-    id = static_cast<int64_t>(arenas_.size()) - 1;
-  });
-  return id;
-}
-
-void OdcBackend::arena_publish(int64_t arena, int64_t group, const at::Tensor& shard) {
-  arena_call([&] {
-    ArenaEntry& e = arena_at(arena, group, "publish");
-    check_arena_tensor(shard, e.device, e.arena->layout().pub_bytes[group], "publish");
-    arena_op(e, Transport::kArenaSyncRing,
-             [&] { e.arena->publish(static_cast<int>(group), shard.data_ptr()); });
-  });
-}
-
-void OdcBackend::arena_announce(int64_t arena, int64_t epoch) {
-  arena_call([&] {
-    ArenaEntry& e = arena_at(arena, "announce");
-    arena_op(e, Transport::kArenaSyncRing,
-             [&] { e.arena->announce(static_cast<uint64_t>(epoch)); });
-  });
-}
-
-void OdcBackend::arena_get(int64_t arena, int64_t group, const at::Tensor& out, int64_t epoch) {
-  arena_call([&] {
-    ArenaEntry& e = arena_at(arena, group, "all_gather");
-    check_arena_tensor(out, e.device, e.arena->layout().pub_bytes[group] * getSize(),
-                       "all_gather output");
-    const uint64_t seq = ++seq_;
-    arena_op(e, Transport::kArenaGetRing, [&] {
-      e.arena->get(static_cast<int>(group), out.data_ptr(), static_cast<uint64_t>(epoch), seq);
-    });
-    count("decoupled_gets", 1);
-  });
-}
-
-void OdcBackend::arena_accumulate(int64_t arena, int64_t group, const at::Tensor& in) {
-  arena_call([&] {
-    ArenaEntry& e = arena_at(arena, group, "reduce_scatter");
-    const DType dtype = to_dtype(in.scalar_type(), "decoupled reduce_scatter");
-    check_arena_tensor(in, e.device,
-                       e.arena->layout().grad_numel[group] * getSize() * in.element_size(),
-                       "reduce_scatter input");
-    arena_op(e, Transport::kArenaPutRing,
-             [&] { e.arena->accumulate(static_cast<int>(group), in.data_ptr(), dtype); });
-    count("decoupled_accumulates", 1);
-  });
-}
-
-void OdcBackend::arena_finish(int64_t arena, int64_t epoch) {
-  arena_call([&] {
-    ArenaEntry& e = arena_at(arena, "sync");
-    const uint64_t seq = ++seq_;
-    arena_op(e, Transport::kArenaSyncRing,
-             [&] { e.arena->finish(static_cast<uint64_t>(epoch), seq); });
-    count("decoupled_syncs", 1);
-  });
-}
-
-void OdcBackend::arena_take(int64_t arena, int64_t group, const at::Tensor& out) {
-  arena_call([&] {
-    ArenaEntry& e = arena_at(arena, group, "sync");
-    ODC_CHECK(out.scalar_type() == at::kFloat, TypeError,
-              "odc: decoupled sync: accumulators are float32");
-    check_arena_tensor(out, e.device, e.arena->layout().grad_numel[group] * sizeof(float), "sync");
-    arena_op(e, Transport::kArenaSyncRing,
-             [&] { e.arena->take(static_cast<int>(group), out.data_ptr<float>()); });
-  });
-}
-
-int64_t OdcBackend::arena_size(int64_t arena) {
-  int64_t bytes = 0;
-  arena_call([&] { bytes = static_cast<int64_t>(arena_at(arena, "size").arena->layout().total); });
-  return bytes;
-}
-
-int64_t OdcBackend::claim(const std::string& key, int64_t amount) {
-  settle_default_backend_type();
-  return store_->add("odc_claim/" + key, amount) - amount;
-}
-
-void OdcBackend::forget(const std::string& key) { store_->deleteKey("odc_claim/" + key); }
-
-void OdcBackend::publish(const std::string& key, const std::string& value) {
-  store_->set("odc_claim/" + key, std::vector<uint8_t>(value.begin(), value.end()));
-}
-
-std::string OdcBackend::lookup(const std::string& key) {
-  const std::vector<uint8_t> v = store_->get("odc_claim/" + key);  // waits up to the timeout
-  return std::string(v.begin(), v.end());
 }
 
 std::map<std::string, uint64_t> OdcBackend::stats() const {

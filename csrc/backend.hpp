@@ -1,4 +1,6 @@
-// OdcBackend: the c10d backend registered as "odc".
+// Layer 5, backend: OdcBackend, the c10d backend registered as "odc" (its face to c10d).
+// Depends on the options (options.hpp) and the channels (channel.hpp: the transport and
+// protocol per device); never on a concrete transport. Decoupled mode: decoupled.hpp.
 //
 // All-gather and reduce-scatter (and their coalesced forms) run on the
 // one-sided protocol over a transport chosen by tensor device: host shared
@@ -17,48 +19,16 @@
 #include <mutex>  // also std::once_flag
 #include <string>
 
-#include "protocol.hpp"
-#include "transport.hpp"
+#include "channel.hpp"
+#include "options.hpp"
 
 namespace odc {
 
 using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::string&)>;
-// Makes the odc backend of a group split from this one (the Python layer: knobs, inner
-// backends): (store, rank, size, timeout, group name, the group's global ranks).
+// Makes the odc backend of a group split from this one (the Python layer: inner backends,
+// counters): (store, rank, size, the new group's options: cloned from this group's).
 using SplitFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
-    const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
-    const std::string&, const std::vector<int>&)>;
-
-// The backend's options (what c10d's split_group deep-copies and hands back to split()).
-struct OdcOptions final : c10d::Backend::Options {
-  explicit OdcOptions(std::chrono::milliseconds timeout = kBackendDefaultTimeout)
-      : Options("odc", timeout) {}
-};
-
-// Ring defaults (ODC_CHUNK_BYTES / ODC_RING_SLOTS unset); Python sizes NVSHMEM's slab from them.
-constexpr size_t kDefaultChunkCuda = 32 << 20;
-constexpr int kDefaultSlots = 4;
-
-struct Knobs {
-  size_t chunk_bytes = 0;  // 0: per-device default
-  int ring_slots = 0;
-  int reduce_blocks = 0;
-  int accumulate_blocks = 0;  // decoupled put-accumulate kernel, per peer
-  int64_t small_op_bytes = -1;  // -1: default; 0: no fused small-op kernel
-  bool stream_memops = false;   // CUDA waits/signals as stream memory operations
-  int transport = 0;  // CUDA peers: 0 auto (NVSHMEM for other hosts), 1 all NVSHMEM, 2 all CUDA IPC
-  int host_size = 0;  // global ranks per host (ranks g, h on one host iff g / n == h / n); 0: one host
-  std::vector<int> global_ranks;  // the group's ranks in the default group (NVSHMEM PEs)
-  bool match_check = true;  // ODC_MATCH_CHECK: peers check each collective's descriptor
-  // ODC_SELF_SERVE: who serves the collectives FSDP does not issue (all-reduce, broadcast,
-  // ...): 0 the inner gloo / NCCL backend, 1 odc itself, 2 (auto) odc itself for CUDA
-  // tensors when ranks share a GPU or NCCL is absent, the inner backend otherwise
-  int self_serve = 2;
-  bool nccl_available = true;
-  // ODC_NVSHMEM_STAGE=always: routed copies stage their local side to every routed peer, not
-  // only to network peers (runs the network path where NVSHMEM maps every peer)
-  bool nvshmem_stage_always = false;
-};
+    const c10::intrusive_ptr<c10d::Store>&, int, int, const c10::intrusive_ptr<odc::Options>&)>;
 
 // Argument helpers shared by the backend's collectives (backend.cpp, own_collectives.cpp).
 DType to_dtype(at::ScalarType t, const char* api);  // TypeError for a dtype odc cannot reduce
@@ -69,25 +39,20 @@ std::string describe(const at::Tensor& t);         // "float32[4, 8] on cuda:0"
 void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
                   const char* what);
 
-// One transport + protocol per device type this group has moved data on.
-struct Channel {
-  std::unique_ptr<Transport> transport;
-  std::unique_ptr<Protocol> protocol;
-  c10::Device device{c10::kCPU};
-  void* async_stream = nullptr;  // CUDA: the side stream async ops run on
-  bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
-};
-
 class OdcBackend final : public c10d::Backend {
  public:
+  // options: its group_name and global_ranks_in_group name this group (empty ranks: the
+  // default group, global rank = group rank).
   OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-             std::chrono::milliseconds timeout, std::string group_name, InnerFactory inner,
-             Knobs knobs, SplitFactory split_factory = nullptr);
+             c10::intrusive_ptr<odc::Options> options, InnerFactory inner,
+             SplitFactory split_factory = nullptr);
   ~OdcBackend() override;
 
   const std::string getBackendName() const override { return "odc"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void setTimeout(std::chrono::milliseconds timeout) override { options_->timeout = timeout; }
+  // This group's options, as made (getBackendOptions hands out a copy).
+  const odc::Options& options() const { return *options_; }
   // init_process_group(device_id=...): DeviceMesh and split_group then split groups from
   // this one instead of creating them anew (new_group still creates them anew).
   bool supportsSplitting() const override { return true; }
@@ -171,25 +136,15 @@ class OdcBackend final : public c10d::Backend {
   // Whether odc serves the collectives FSDP does not issue itself on `device` (ODC_SELF_SERVE).
   bool serves_itself(const c10::Device& device);
 
-  // Decoupled mode (driven by torch_odc_backend/decoupled.py): one arena per decoupled
-  // model. Collective: arena_create (returns the arena's id), arena_finish. The others
-  // act on this rank; get and accumulate touch peers' arenas one-sidedly.
-  int64_t arena_create(const c10::Device& device, const std::vector<int64_t>& shard_numel,
-                       const std::vector<int64_t>& param_elem_size,
-                       const std::vector<int64_t>& grad_numel);
-  void arena_publish(int64_t arena, int64_t group, const at::Tensor& shard);
-  void arena_announce(int64_t arena, int64_t epoch);
-  void arena_get(int64_t arena, int64_t group, const at::Tensor& out, int64_t epoch);
-  void arena_accumulate(int64_t arena, int64_t group, const at::Tensor& in);
-  void arena_finish(int64_t arena, int64_t epoch);
-  void arena_take(int64_t arena, int64_t group, const at::Tensor& out);
-  int64_t arena_size(int64_t arena);  // bytes of its shared layout on each rank
   // The inner backend for a device type ("cpu" / "cuda"), created on first use.
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);
   // The group's ranks in the default group.
   std::vector<int> global_ranks() const;
 
  private:
+  // Decoupled mode's arena (decoupled.hpp) runs its one-sided ops as this group's collectives:
+  // under its lock, on its channel, with its sequence numbers and counters.
+  friend class DecoupledArena;
   enum class Kind { AllGather, ReduceScatter };
   void release_inners(bool abort);
   c10::intrusive_ptr<c10d::Work> run(Kind kind, std::vector<at::Tensor>& outputs,
@@ -241,18 +196,6 @@ class OdcBackend final : public c10d::Backend {
                                             std::vector<at::Tensor>& inputs,
                                             const c10d::GatherOptions& opts);
   c10::intrusive_ptr<c10d::Work> own_barrier(const c10::Device& device);
-  struct ArenaEntry {
-    c10::Device device;
-    std::unique_ptr<Arena> arena;
-    Transport* transport;
-  };
-  ArenaEntry& arena_at(int64_t arena, const char* what);
-  ArenaEntry& arena_at(int64_t arena, int64_t group, const char* what);  // and a valid group
-  // Runs fn between the transport's begin_op / end_op on the current stream (CUDA).
-  template <typename F>
-  void arena_op(ArenaEntry& e, Transport::Ring ring, F&& fn);
-  template <typename F>
-  void arena_call(F&& body);
   void check_usable();
   // Once, at the group's first use: init_process_group leaves some groups with odc without
   // a default backend type that has a backend in the group: "cpu:gloo,cuda:odc" gets none
@@ -264,13 +207,10 @@ class OdcBackend final : public c10d::Backend {
   std::once_flag default_type_once_;
 
   c10::intrusive_ptr<c10d::Store> store_;
-  std::chrono::milliseconds timeout_;
-  std::string group_name_;
+  c10::intrusive_ptr<odc::Options> options_;
   InnerFactory inner_factory_;
-  Knobs knobs_;
   SplitFactory split_factory_;
   std::map<c10::DeviceType, Channel> channels_;
-  std::vector<ArenaEntry> arenas_;
   std::mutex inner_mu_;  // guards inners_; held while a factory (Python) creates one
   std::map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>> inners_;
   std::mutex mu_;  // ops on one group may be issued from several threads

@@ -1,11 +1,13 @@
-// Python bindings: the OdcBackend class (a c10d Backend) and build facts.
+// Layer 6, bindings: the Python module _C: OdcBackend (a c10d Backend), its Options, and
+// build facts; the NVSHMEM runtime in NVSHMEM builds. Depends on the backend layer.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "backend.hpp"
+#include "decoupled.hpp"
 #ifdef ODC_WITH_NVSHMEM
-#include "nvshmem_runtime.hpp"
+#include "cuda/nvshmem_runtime.hpp"
 #endif
 
 namespace py = pybind11;
@@ -47,44 +49,62 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<odc::OdcBackend, c10d::Backend, c10::intrusive_ptr<odc::OdcBackend>> backend(
       m, "OdcBackend");
-  py::class_<odc::OdcOptions, c10d::Backend::Options, c10::intrusive_ptr<odc::OdcOptions>>(
+  // One typed options object (c10d's Options pattern), bound once; config.py fills it from the
+  // ODC_* environment.
+  py::enum_<odc::TransportKind>(backend, "TransportKind", "How CUDA peers are reached (ODC_TRANSPORT).")
+      .value("AUTO", odc::TransportKind::Auto)
+      .value("NVSHMEM", odc::TransportKind::Nvshmem)
+      .value("CUDA_IPC", odc::TransportKind::CudaIpc);
+  py::enum_<odc::SelfServe>(backend, "SelfServe",
+                            "Who serves the collectives FSDP does not issue (ODC_SELF_SERVE).")
+      .value("INNER", odc::SelfServe::Inner)
+      .value("ODC", odc::SelfServe::Odc)
+      .value("AUTO", odc::SelfServe::Auto);
+  using O = odc::Options;
+  py::class_<O, c10d::Backend::Options, c10::intrusive_ptr<O>>(
       backend, "Options", "odc's backend options (c10d's split_group copies them)")
-      .def(py::init<>())
-      .def("__copy__", [](const odc::OdcOptions& o) { return c10::make_intrusive<odc::OdcOptions>(o); })
-      .def("__deepcopy__", [](const odc::OdcOptions& o, const py::dict&) {
-        return c10::make_intrusive<odc::OdcOptions>(o);
-      });
+      .def(py::init([](std::chrono::milliseconds timeout) { return O::create(timeout); }),
+           py::arg("timeout") = std::chrono::milliseconds(::kBackendDefaultTimeout))
+      .def_readwrite("chunk_bytes", &O::chunk_bytes, "ODC_CHUNK_BYTES (0: 1 MiB CPU, 32 MiB CUDA)")
+      .def_readwrite("ring_slots", &O::ring_slots, "ODC_RING_SLOTS")
+      .def_readwrite("reduce_blocks", &O::reduce_blocks, "ODC_REDUCE_BLOCKS")
+      .def_readwrite("accumulate_blocks", &O::accumulate_blocks, "ODC_ACCUMULATE_BLOCKS")
+      .def_readwrite("small_op_bytes", &O::small_op_bytes, "ODC_SMALL_OP_BYTES (0: no fused op)")
+      .def_readwrite("stream_memops", &O::stream_memops, "ODC_STREAM_MEMOPS")
+      .def_readwrite("transport", &O::transport, "ODC_TRANSPORT")
+      .def_readwrite("host_size", &O::host_size, "ODC_HOST_SIZE (0: one host)")
+      .def_readwrite("match_check", &O::match_check, "ODC_MATCH_CHECK")
+      .def_readwrite("self_serve", &O::self_serve, "ODC_SELF_SERVE")
+      .def_readwrite("nccl_available", &O::nccl_available, "whether torch has NCCL")
+      .def_readwrite("nvshmem_stage_always", &O::nvshmem_stage_always,
+                     "ODC_NVSHMEM_STAGE=always")
+      .def("chunk_bytes_for", &O::chunk_bytes_for, py::arg("cuda"),
+           "Bytes per ring slot on CUDA (True) or CPU (False): chunk_bytes or the default.")
+      .def("routes_peer", &O::routes_peer, py::arg("global_a"), py::arg("global_b"),
+           "Whether CUDA traffic between these global ranks goes over NVSHMEM.")
+      .def("routes_some_peer", &O::routes_some_peer, py::arg("global_ranks"),
+           "Whether a group of these global ranks reaches some CUDA peer over NVSHMEM.")
+      .def("uses_nvshmem", &O::uses_nvshmem, py::arg("global_ranks"),
+           "Whether such a group's CUDA windows live in NVSHMEM's heap.")
+      .def("clone", &O::clone)
+      .def("__copy__", [](const O& o) { return o.clone(); })
+      .def("__deepcopy__", [](const O& o, const py::dict&) { return o.clone(); });
   backend
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout, std::string group_name,
-                       py::object inner_factory, size_t chunk_bytes, int ring_slots,
-                       int reduce_blocks, int64_t small_op_bytes, bool stream_memops,
-                       int accumulate_blocks, int transport, int host_size,
-                       std::vector<int> global_ranks, bool match_check, py::object split_factory,
-                       int self_serve, bool nccl_available, bool nvshmem_stage_always) {
-             odc::Knobs k{chunk_bytes,    ring_slots,    reduce_blocks, accumulate_blocks,
-                          small_op_bytes, stream_memops, transport,     host_size,
-                          std::move(global_ranks), match_check, self_serve, nccl_available,
-                          nvshmem_stage_always};
+                       c10::intrusive_ptr<O> options, py::object inner_factory,
+                       py::object split_factory) {
              return c10::make_intrusive<odc::OdcBackend>(
-                 store, rank, size, timeout, std::move(group_name),
-                 wrap_factory<const std::string&>(std::move(inner_factory)), k,
+                 store, rank, size, std::move(options),
+                 wrap_factory<const std::string&>(std::move(inner_factory)),
                  wrap_factory<const c10::intrusive_ptr<c10d::Store>&, int, int,
-                              std::chrono::milliseconds, const std::string&,
-                              const std::vector<int>&>(std::move(split_factory)));
+                              const c10::intrusive_ptr<O>&>(std::move(split_factory)));
            }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("group_name"), py::arg("inner_factory"), py::arg("chunk_bytes") = 0,
-           py::arg("ring_slots") = 0, py::arg("reduce_blocks") = 0,
-           py::arg("small_op_bytes") = -1, py::arg("stream_memops") = false,
-           py::arg("accumulate_blocks") = 0, py::arg("transport") = 0, py::arg("host_size") = 0,
-           py::arg("global_ranks") = std::vector<int>{}, py::arg("match_check") = true,
-           py::arg("split_factory") = py::none(), py::arg("self_serve") = 2,
-           py::arg("nccl_available") = true, py::arg("nvshmem_stage_always") = false)
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
+           py::arg("inner_factory"), py::arg("split_factory") = py::none())
       .def_property_readonly(
           "options",
           [](odc::OdcBackend& b) {
-            return c10::static_intrusive_pointer_cast<odc::OdcOptions>(b.getBackendOptions());
+            return c10::static_intrusive_pointer_cast<odc::Options>(b.getBackendOptions());
           },
           "This group's options (c10d's split_group deep-copies them).")
       .def(
@@ -106,24 +126,18 @@ PYBIND11_MODULE(_C, m) {
       .def("lookup", &odc::OdcBackend::lookup, py::arg("key"),
            py::call_guard<py::gil_scoped_release>(),
            "The group-wide value `key`, waiting for it up to the group's timeout.")
-      .def("arena_create", &odc::OdcBackend::arena_create, py::arg("device"),
-           py::arg("shard_numel"), py::arg("param_elem_size"), py::arg("grad_numel"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Decoupled mode: create an arena (collective); returns its id.")
-      .def("arena_publish", &odc::OdcBackend::arena_publish, py::arg("arena"), py::arg("group"),
-           py::arg("shard"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_announce", &odc::OdcBackend::arena_announce, py::arg("arena"),
-           py::arg("epoch"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_get", &odc::OdcBackend::arena_get, py::arg("arena"), py::arg("group"),
-           py::arg("out"), py::arg("epoch"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_accumulate", &odc::OdcBackend::arena_accumulate, py::arg("arena"),
-           py::arg("group"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_finish", &odc::OdcBackend::arena_finish, py::arg("arena"), py::arg("epoch"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Decoupled mode: the minibatch's synchronisation (collective).")
-      .def("arena_take", &odc::OdcBackend::arena_take, py::arg("arena"), py::arg("group"),
-           py::arg("out"), py::call_guard<py::gil_scoped_release>())
-      .def("arena_size", &odc::OdcBackend::arena_size, py::arg("arena"))
+      .def(
+          "create_arena",
+          [](const c10::intrusive_ptr<odc::OdcBackend>& self, const c10::Device& device,
+             const std::vector<int64_t>& shard_numel, const std::vector<int64_t>& param_elem_size,
+             const std::vector<int64_t>& grad_numel) {
+            return odc::DecoupledArena::create(self, device, shard_numel, param_elem_size,
+                                               grad_numel);
+          },
+          py::arg("device"), py::arg("shard_numel"), py::arg("param_elem_size"),
+          py::arg("grad_numel"), py::call_guard<py::gil_scoped_release>(),
+          "Decoupled mode: create an arena on `device` (collective): per parameter group its "
+          "shard elements, parameter element size and accumulator elements.")
       .def(
           "inner",
           [](odc::OdcBackend& self, const std::string& device) {
@@ -131,6 +145,23 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("device"), py::call_guard<py::gil_scoped_release>(),
           "The inner backend that takes this group's delegated collectives on a device type.");
+
+  // Decoupled mode's arena: it holds its backend, whose transport holds its memory.
+  using A = odc::DecoupledArena;
+  py::class_<A, std::shared_ptr<A>>(backend, "Arena",
+                                    "Decoupled mode's arena (OdcBackend.create_arena).")
+      .def("publish", &A::publish, py::arg("group"), py::arg("shard"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("announce", &A::announce, py::arg("epoch"), py::call_guard<py::gil_scoped_release>())
+      .def("get", &A::get, py::arg("group"), py::arg("out"), py::arg("epoch"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("accumulate", &A::accumulate, py::arg("group"), py::arg("input"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("finish", &A::finish, py::arg("epoch"), py::call_guard<py::gil_scoped_release>(),
+           "The minibatch's synchronisation (collective).")
+      .def("take", &A::take, py::arg("group"), py::arg("out"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("size", &A::size, "Bytes of its shared layout on each rank.");
 
 #ifdef ODC_WITH_CUDA
   m.attr("built_with_cuda") = true;

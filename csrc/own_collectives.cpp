@@ -1,3 +1,5 @@
+// Layer 5, backend (backend.hpp).
+//
 // The collectives odc serves itself instead of its inner gloo / NCCL backend: where that
 // backend cannot (ranks sharing a GPU, which NCCL refuses; a torch without NCCL), or
 // everywhere with ODC_SELF_SERVE=1. All of them run on odc's own rings:
@@ -59,9 +61,9 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* api)
 }  // namespace
 
 bool OdcBackend::serves_itself(const c10::Device& device) {
-  if (knobs_.self_serve == 1) return true;
-  if (knobs_.self_serve == 0 || !device.is_cuda()) return false;
-  if (!knobs_.nccl_available) return true;
+  if (options_->self_serve == SelfServe::Odc) return true;
+  if (options_->self_serve == SelfServe::Inner || !device.is_cuda()) return false;
+  if (!options_->nccl_available) return true;
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
   return channel(device).shares_device;  // sets the transport up (collective) the first time
@@ -234,7 +236,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_exchange(at::Tensor& output,
                                                         const at::Tensor& input,
                                                         Protocol::Exchange x, bool async_op,
                                                         c10d::OpType type, const char* api) {
-  x.check = knobs_.match_check;
+  x.check = options_->match_check;
   std::vector<at::Tensor> outs{output};
   return launch(output.device(), async_op, type, outs, {input},
                 [&](Channel& ch, void* stream, uint64_t seq) {
@@ -307,7 +309,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_alltoall(std::vector<at::Tensor>&
   ODC_CHECK(in_l.bytes[getRank()] == out_l.bytes[getRank()], ValueError, "odc: ", api,
             ": this rank's input and output for itself differ in size");
   Protocol::Exchange x{in_l.bytes, in_l.off, out_l.bytes, out_l.off, OpKind::AllToAll,
-                       static_cast<int>(inputs[0].scalar_type()), 0, knobs_.match_check, true};
+                       static_cast<int>(inputs[0].scalar_type()), 0, options_->match_check, true};
   std::vector<at::Tensor> keep(inputs.begin(), inputs.end());
   return launch(device, opts.asyncOp, c10d::OpType::ALLTOALL, outputs, std::move(keep),
                 [&](Channel& ch, void* stream, uint64_t seq) {
@@ -352,7 +354,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_scatter(
   x.kind = OpKind::Scatter;
   x.scalar_type = static_cast<int>(out.scalar_type());
   x.root = root;
-  x.check = knobs_.match_check;
+  x.check = options_->match_check;
   std::vector<at::Tensor> keep = root_inputs;
   return launch(out.device(), opts.asyncOp, c10d::OpType::SCATTER, outputs, std::move(keep),
                 [&](Channel& ch, void* stream, uint64_t seq) {
@@ -394,7 +396,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_gather(
   x.kind = OpKind::Gather;
   x.scalar_type = static_cast<int>(in.scalar_type());
   x.root = root;
-  x.check = knobs_.match_check;
+  x.check = options_->match_check;
   return launch(in.device(), opts.asyncOp, c10d::OpType::GATHER, root_outputs, inputs,
                 [&](Channel& ch, void* stream, uint64_t seq) {
     at::Tensor out = at::empty({static_cast<int64_t>(l.total)},

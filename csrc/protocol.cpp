@@ -1,67 +1,10 @@
+// Layer 3, protocol and arena: the one-sided protocol (protocol.hpp).
 #include "protocol.hpp"
 
 #include <algorithm>
 #include <stdexcept>
 
 namespace odc {
-
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::F32: return "float32";
-    case DType::BF16: return "bfloat16";
-    case DType::F16: return "float16";
-    case DType::F64: return "float64";
-    case DType::I32: return "int32";
-    case DType::I64: return "int64";
-    case DType::U8: return "uint8";
-    case DType::I8: return "int8";
-  }
-  return "?";
-}
-
-size_t dtype_size(DType d) {
-  switch (d) {
-    case DType::F64:
-    case DType::I64: return 8;
-    case DType::F32:
-    case DType::I32: return 4;
-    case DType::BF16:
-    case DType::F16: return 2;
-    case DType::U8:
-    case DType::I8: return 1;
-  }
-  return 1;
-}
-
-uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes, int red_op, int root) {
-  constexpr uint64_t kBytesMask = (uint64_t{1} << 40) - 1;  // 1 TiB per rank or pair
-  return (uint64_t{1} << 63) | (static_cast<uint64_t>(kind) & 7) << 60 |
-         (static_cast<uint64_t>(red_op) & 15) << 56 |
-         (static_cast<uint64_t>(scalar_type) & 255) << 48 |
-         (static_cast<uint64_t>(root) & 255) << 40 | (bytes & kBytesMask);
-}
-
-OpDescFields decode_op_desc(uint64_t desc) {
-  return {static_cast<OpKind>((desc >> 60) & 7), static_cast<int>((desc >> 48) & 255),
-          desc & ((uint64_t{1} << 40) - 1), static_cast<int>((desc >> 56) & 15),
-          static_cast<int>((desc >> 40) & 255)};
-}
-
-WindowLayout::WindowLayout(int world_, size_t chunk_bytes_, int slots_)
-    : world(world_), chunk_bytes(chunk_bytes_), slots(slots_) {
-  if (world <= 0 || slots <= 0 || chunk_bytes == 0 || chunk_bytes % 16 != 0) {
-    throw std::invalid_argument(
-        "odc: invalid window geometry (chunk bytes must be a positive multiple of 16, "
-        "ring slots positive)");
-  }
-  flags_bytes = static_cast<size_t>(kNumFlagArrays) * world * kFlagStride;
-  descs = flags_bytes;
-  announce = descs + static_cast<size_t>(kNumDescArrays) * world * slots * kDescBytes;
-  const size_t announce_end = announce + static_cast<size_t>(world) * kAnnounceSlots * 8;
-  ag_ring = (announce_end + 4095) / 4096 * 4096;
-  rs_ring = ag_ring + static_cast<size_t>(slots) * chunk_bytes;
-  total = rs_ring + static_cast<size_t>(world) * slots * chunk_bytes;
-}
 
 Protocol::Protocol(int rank, int world, const WindowLayout& layout, Transport* transport)
     : rank_(rank),
@@ -351,91 +294,6 @@ void Protocol::exchange(void* out, const void* in, const Exchange& x, uint64_t o
   }
   const size_t own = std::min(x.send[rank_], x.recv[rank_]);
   if (own) t_->copy(0, out_b + x.recv_off[rank_], in_b + x.send_off[rank_], own);
-}
-
-void Transport::unsupported(const char* what) {
-  throw std::runtime_error(std::string("odc: ") + what + " is not available on this transport yet");
-}
-
-// ---- Decoupled mode
-
-namespace {
-size_t align64(size_t x) { return (x + 63) / 64 * 64; }
-}  // namespace
-
-ArenaLayout::ArenaLayout(int world_, const std::vector<size_t>& shard_numel,
-                         const std::vector<size_t>& param_elem_size,
-                         const std::vector<size_t>& grad_numel_)
-    : world(world_), numel(shard_numel), grad_numel(grad_numel_) {
-  size_t off = align64(static_cast<size_t>(kNumFlagArrays) * world * kFlagStride);
-  for (size_t g = 0; g < numel.size(); ++g) {
-    pub_bytes.push_back(numel[g] * param_elem_size[g]);
-    pub_off.push_back(off);
-    off = align64(off + pub_bytes.back());
-    acc_off.push_back(off);
-    off = align64(off + grad_numel[g] * sizeof(float));
-  }
-  total = off;
-}
-
-Arena::Arena(int rank, int world, ArenaLayout layout, Transport* transport, int id)
-    : rank_(rank), world_(world), layout_(std::move(layout)), t_(transport), id_(id) {}
-
-uint64_t* Arena::flag_in(int owner, ArenaLayout::Flag kind, int index) {
-  return reinterpret_cast<uint64_t*>(base(owner) + layout_.flag(kind, index));
-}
-
-void Arena::publish(int group, const void* shard) {
-  t_->copy(0, base(rank_) + layout_.pub_off[group], shard, layout_.pub_bytes[group]);
-}
-
-void Arena::announce(uint64_t epoch) {
-  std::vector<uint64_t*> at_readers;
-  for (int p = 0; p < world_; ++p) at_readers.push_back(flag_in(p, ArenaLayout::Pub, rank_));
-  t_->signal(0, at_readers, epoch);
-}
-
-void Arena::get(int group, void* out, uint64_t epoch, uint64_t op_seq) {
-  char* out_b = static_cast<char*>(out);
-  const size_t bytes = layout_.pub_bytes[group];
-  for (int i = 0; i < world_; ++i) {
-    const int p = (rank_ + i) % world_;
-    t_->wait(i, {flag_in(rank_, ArenaLayout::Pub, p)}, {p}, epoch,
-             {"decoupled all_gather", "the published parameters of", op_seq});
-    t_->copy(i, out_b + static_cast<size_t>(p) * bytes, base(p) + layout_.pub_off[group],
-             bytes);
-  }
-}
-
-void Arena::accumulate(int group, const void* in, DType dtype) {
-  const size_t n = layout_.grad_numel[group];
-  const size_t elem = dtype == DType::F32 ? 4 : 2;
-  const char* in_b = static_cast<const char*>(in);
-  for (int i = 0; i < world_; ++i) {
-    const int p = (rank_ + i) % world_;
-    t_->accumulate(i, reinterpret_cast<float*>(base(p) + layout_.acc_off[group]),
-                   in_b + static_cast<size_t>(p) * n * elem, n, dtype);
-  }
-}
-
-void Arena::finish(uint64_t epoch, uint64_t op_seq) {
-  std::vector<uint64_t*> at_owners;
-  std::vector<const uint64_t*> mine;
-  std::vector<int> peers;
-  for (int p = 0; p < world_; ++p) {
-    at_owners.push_back(flag_in(p, ArenaLayout::Done, rank_));
-    mine.push_back(flag_in(rank_, ArenaLayout::Done, p));
-    peers.push_back(p);
-  }
-  t_->signal(0, at_owners, epoch);  // after every accumulate issued before it
-  t_->wait(0, mine, peers, epoch, {"decoupled sync", "the gradient contributions of", op_seq});
-}
-
-void Arena::take(int group, float* out) {
-  float* acc = reinterpret_cast<float*>(base(rank_) + layout_.acc_off[group]);
-  const size_t bytes = layout_.grad_numel[group] * sizeof(float);
-  t_->copy(0, out, acc, bytes);
-  t_->fill_zero(0, acc, bytes);
 }
 
 }  // namespace odc

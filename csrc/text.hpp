@@ -1,3 +1,5 @@
+// Utility, below every layer: error text and ODC_CHECK. Depends on c10 only.
+//
 // Error text without iostreams. Our extension may be built by a toolchain whose
 // libstdc++ differs from the one torch loads (seen on the GPU machines: a numeric
 // ostream insertion compiled into this library crashed the process); std::to_string

@@ -1,10 +1,17 @@
+// Layer 2, the transport interface: what every transport shares (transport.hpp).
 #include "transport.hpp"
 
 #include <c10/core/ScalarType.h>
 
+#include <stdexcept>
+
 #include "text.hpp"
 
 namespace odc {
+
+void Transport::unsupported(const char* what) {
+  throw std::runtime_error(std::string("odc: ") + what + " is not available on this transport yet");
+}
 
 std::vector<std::vector<uint8_t>> exchange_blobs(const TransportArgs& a, const std::string& name,
                                                  const std::vector<uint8_t>& mine) {

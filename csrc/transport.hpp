@@ -1,5 +1,8 @@
-// Pieces every transport shares: window rendezvous through the group's store,
-// the error type, and the argument bundle a transport is created from.
+// Layer 2, the transport interface: what a transport does for the protocol (wait on
+// counters, signal them, copy, reduce, on lanes), and the pieces every transport shares:
+// window rendezvous through the group's store, the error type, the argument bundle a
+// transport is created from, and the text of wait errors. Depends on the layout
+// (layout.hpp) and c10d's Store.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -9,13 +12,78 @@
 #include <string>
 #include <vector>
 
-#include "protocol.hpp"
+#include "layout.hpp"
 
 namespace odc {
 
 // A communication failure (timeout, dead peer). The group cannot be used after it.
 struct CommError : std::runtime_error {
   using std::runtime_error::runtime_error;
+};
+
+// What a wait is about, for the error raised when it times out.
+struct WaitSite {
+  const char* op;        // "all_gather" / "reduce_scatter"
+  const char* what;      // "data from" / "ring space at"
+  uint64_t op_seq;       // the group's collective sequence number
+};
+
+// What a wait also checks once its counters are reached: descs[i] (in this rank's window,
+// stored by peer i with the data that counter announces) must hold `expected`, this
+// rank's own descriptor, and then the number of the chunk waited for (the wait's target
+// - 1). A mismatch fails the group with both sides named.
+struct DescCheck {
+  std::vector<const uint64_t*> descs;  // parallel to the wait's counters
+  uint64_t expected = 0;
+};
+
+// A transport moves bytes and counters between windows. Work is issued on
+// *lanes*: lane 0 is the operation's own ordering domain, lane i (1..world-1)
+// carries the traffic with peer (rank + i) % world. A host transport executes
+// immediately in issue order; a device transport enqueues each lane on a stream.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual char* window(int rank) = 0;
+  // Block lane until every counter (in this rank's window) is >= target; then, with a
+  // check, compare the peers' descriptors with this rank's.
+  virtual void wait(int lane, const std::vector<const uint64_t*>& flags,
+                    const std::vector<int>& peers, uint64_t target, const WaitSite& site,
+                    const DescCheck* check = nullptr) = 0;
+  // After everything issued on the lane before it, store value into each counter.
+  virtual void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) = 0;
+  virtual void copy(int lane, void* dst, const void* src, size_t bytes) = 0;
+  // dst[i] = spec.scale * sum_j srcs[j][i]
+  virtual void reduce(int lane, void* dst, const std::vector<const void*>& srcs,
+                      size_t numel, const ReduceSpec& spec) = 0;
+  // Bracket one collective on `ring` (0: all-gather, 1: reduce-scatter): a device
+  // transport forks its peer lanes from the operation's stream and joins them back
+  // at the end, and orders the operation after the previous one on the same ring
+  // when that ran on another stream (counters assume each ring's chunks in order).
+  enum Ring : int { kAgRing = 0, kRsRing, kArenaGetRing, kArenaPutRing, kArenaSyncRing, kNumRings };
+  virtual void begin_op(void* stream, Ring ring) {}
+  virtual void end_op() {}
+  // A failure recorded asynchronously (e.g. by a device-side wait), or "".
+  virtual std::string async_error() { return {}; }
+  // The peers' announcements the waits of the collective in progress watch (PeerWatch;
+  // set by the protocol at a collective's first transfer, cleared at its end).
+  void watch(const PeerWatch& w) { watch_ = w; }
+
+  // ---- Decoupled mode: more regions per rank ("arenas", one per decoupled model),
+  // created collectively; returns the arena's id.
+  virtual int create_arena(size_t bytes) { unsupported("decoupled mode"); }
+  virtual char* arena(int id, int rank) { unsupported("decoupled mode"); }
+  // dst[i] += src[i] (src in `dtype`, dst fp32), safe while other ranks add into dst.
+  virtual void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) {
+    unsupported("decoupled mode");
+  }
+  virtual void fill_zero(int lane, void* dst, size_t bytes) { unsupported("decoupled mode"); }
+  // Whether accumulate() reaches every peer (NVSHMEM has no float atomics for routed peers).
+  virtual bool accumulates_everywhere() const { return true; }
+
+ protected:
+  [[noreturn]] static void unsupported(const char* what);
+  PeerWatch watch_;
 };
 
 struct TransportArgs {

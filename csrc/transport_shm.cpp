@@ -1,3 +1,4 @@
+// Layer 2, a transport: host shared memory (transport_shm.hpp).
 #include "transport_shm.hpp"
 
 #include <c10/util/BFloat16.h>

@@ -1,3 +1,6 @@
+// Layer 2, a transport: host shared memory (CPU tensors). Depends on the transport
+// interface (transport.hpp).
+//
 // Host shared-memory transport: CPU tensors of ranks on one host. Each window
 // is a POSIX shared-memory segment mapped by every rank of the group; gets,
 // puts and reductions are done by the calling thread, in issue order.

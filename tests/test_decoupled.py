@@ -348,7 +348,7 @@ def _arena_size_worker(rank, world):
         refused = True
     slab = odc_nvshmem.slab_bytes_for(model)
     state = odc.decouple(model, opt)
-    made = state.backend.arena_size(state.arena)  # what the backend laid out
+    made = state.arena.size()  # what the backend laid out
     n_shard = sum(g.numel for g in state.groups)
     return predicted, made, n_shard, slab, odc_nvshmem.default_slab_bytes(world, groups=2), refused
 

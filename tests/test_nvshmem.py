@@ -50,9 +50,9 @@ def test_gpu_nvshmem_init_once_and_put_with_signal():
 def test_odc_transport_knob(monkeypatch):
     from torch_odc_backend import config
 
-    for raw, code in (("", 0), ("auto", 0), ("NVSHMEM", 1), ("ipc", 2)):
+    for raw, kind in (("", "AUTO"), ("auto", "AUTO"), ("NVSHMEM", "NVSHMEM"), ("ipc", "CUDA_IPC")):
         monkeypatch.setenv("ODC_TRANSPORT", raw)
-        assert config.knobs().transport == code
+        assert config.knobs().transport == getattr(config.TransportKind, kind)
     monkeypatch.setenv("ODC_TRANSPORT", "ib")
     with pytest.raises(ValueError, match="ODC_TRANSPORT='ib'"):
         config.knobs()

@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import config
-from ._core import _C  # noqa: F401 - checks the build before loading _C
-from ._C import OdcBackend
+from .config import OdcBackend
 
 
 def _make_inner(store, rank: int, size: int, timeout, group_name: str, global_ranks):
@@ -75,11 +74,13 @@ def _check_stats_dir(folder: str) -> None:
         raise ValueError(f"ODC_STATS_DIR={folder!r}: this process cannot write to that folder")
 
 
-def _new_backend(store, rank: int, size: int, timeout, group_name: str, global_ranks):
-    """The odc backend of one group: what the creator and a split (init_process_group with
-    device_id: DeviceMesh, split_group) have in common. The ODC_* knobs are read now."""
-    knobs = config.knobs()
-    backend = _make_backend(store, rank, size, timeout, group_name, global_ranks, knobs)
+def _new_backend(store, rank: int, size: int, options):
+    """The odc backend of one group with these options: what the creator and a split
+    (init_process_group with device_id: DeviceMesh, split_group; the options cloned from the
+    parent's in C++) have in common."""
+    group_name, global_ranks = options.group_name, list(options.global_ranks_in_group)
+    inner = _make_inner(store, rank, size, options._timeout, group_name, global_ranks)
+    backend = OdcBackend(store, rank, size, options, inner, _new_backend)
     import os
 
     if os.environ.get("ODC_STATS_DIR"):
@@ -95,42 +96,16 @@ def _new_backend(store, rank: int, size: int, timeout, group_name: str, global_r
     return backend
 
 
-def _make_backend(store, rank, size, timeout, group_name, global_ranks, knobs):
-    return OdcBackend(
-        store,
-        rank,
-        size,
-        timeout,
-        group_name,
-        _make_inner(store, rank, size, timeout, group_name, global_ranks),
-        knobs.chunk_bytes,
-        knobs.ring_slots,
-        knobs.reduce_blocks,
-        knobs.small_op_bytes,
-        knobs.stream_memops,
-        knobs.accumulate_blocks,
-        knobs.transport,
-        knobs.host_size,
-        list(global_ranks),
-        knobs.match_check,
-        _new_backend,
-        knobs.self_serve,
-        dist.is_nccl_available(),
-        knobs.nvshmem_stage_always,
-    )
-
-
 def create_backend(opts, pg_options):
     """The registered creator's work (``dist.Backend.register_backend(..., extended_api=True)``)."""
-    config.knobs()  # bad knobs fail here, before anything is set up
+    options = config.options_from_env(opts.timeout, opts.group_id, opts.global_ranks_in_group or [])
     if not dist.is_initialized():  # the default group, being created: every rank passes here
         from . import nvshmem
 
         # peers routed over NVSHMEM (ODC_TRANSPORT / ODC_HOST_SIZE): bring NVSHMEM up now,
         # world-collectively, with the unique id through this group's store
         nvshmem.init_from_backend(opts.store, opts.group_rank, opts.group_size)
-    return _new_backend(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id,
-                        opts.global_ranks_in_group or [])
+    return _new_backend(opts.store, opts.group_rank, opts.group_size, options)
 
 
 def backend_stats(group=None, device: str = "cpu") -> dict[str, int]:

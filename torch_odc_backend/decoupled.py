@@ -170,10 +170,10 @@ class _AllGather:
         k = group.size() if group is not None else st.world
         with _range("odc.get"), st._fail_on_error():
             if k == st.world:
-                st.backend.arena_get(st.arena, self.group.index, output_tensor, st.epoch)
+                st.arena.get(self.group.index, output_tensor, st.epoch)
             else:  # reshard_after_forward=k: backward's all-gather over the post-forward group
                 gathered = torch.empty_like(output_tensor)
-                st.backend.arena_get(st.arena, self.group.index, gathered, st.epoch)
+                st.arena.get(self.group.index, gathered, st.epoch)
                 self.group.regroup_post_forward(gathered, output_tensor, k)
         return None
 
@@ -205,7 +205,7 @@ class _ReduceScatter:
                     g.local_event.record()
         else:
             with _range("odc.put_accumulate"), st._fail_on_error():
-                st.backend.arena_accumulate(st.arena, self.group.index, input_tensor.contiguous())
+                st.arena.accumulate(self.group.index, input_tensor.contiguous())
         return None
 
 
@@ -263,7 +263,7 @@ class DecoupledState:
         self.last = {}
         if self.device.type == "cuda":
             _make_room_in_nvshmem_slab(model, accumulate)
-        self.arena = backend.arena_create(self.device, *_arena_sizes([pol for _, pol in groups], accumulate))
+        self.arena = backend.create_arena(self.device, *_arena_sizes([pol for _, pol in groups], accumulate))
         for g in self.groups:
             g.module.set_custom_all_gather(_AllGather(g))
             g.module.set_custom_reduce_scatter(_ReduceScatter(g))
@@ -301,9 +301,9 @@ class DecoupledState:
     def _publish(self) -> None:
         for g in self.groups:
             g.refresh()
-            self.backend.arena_publish(self.arena, g.index, g.packed_shard())
+            self.arena.publish(g.index, g.packed_shard())
             g.versions = g.local_versions()
-        self.backend.arena_announce(self.arena, self.epoch)
+        self.arena.announce(self.epoch)
 
     def _before_step(self, optimizer, args, kwargs):
         self._check_usable()
@@ -352,13 +352,13 @@ class DecoupledState:
                     stream.wait_event(g.local_event)  # a no-op before the first record
             stream.synchronize()
         t0 = time.perf_counter()
-        self.backend.arena_finish(self.arena, self.epoch)
+        self.arena.finish(self.epoch)
         # One group at a time: the gradient temporaries add at most the largest group's size
         # to peak memory (FSDP2 already holds the zero gradients its reduce-scatters made).
         for g in self.groups:
             acc = torch.empty(g.grad_numel, dtype=torch.float32, device=self.device)
             if self.accumulate == "owner":
-                self.backend.arena_take(self.arena, g.index, acc)
+                self.arena.take(g.index, acc)
             else:  # one reduce-scatter of the local sums (zeros from a rank without backward)
                 _reduce_scatter(acc, g.local_acc, group=self.shard_pg)
                 g.local_acc.zero_()

@@ -63,9 +63,7 @@ def _window_bytes(world: int) -> int:
     """One group's communication window with the current ring knobs (about (world + 1) x
     ODC_RING_SLOTS x ODC_CHUNK_BYTES), plus its staging rooms where peers are routed."""
     k = config.knobs()
-    slots = k.ring_slots or _C.default_ring_slots
-    chunk = k.chunk_bytes or _C.default_chunk_bytes_cuda
-    window = _C.window_bytes(world, chunk, slots)
+    window = _C.window_bytes(world, k.chunk_bytes_for(cuda=True), k.ring_slots)
     if _routed(world) and available():
         window = _round4k(window) + stage_bytes(world)
     return window
@@ -103,19 +101,16 @@ def slab_bytes_for(model, accumulate: str = "local") -> int:
 
 
 def _routed(world: int) -> bool:
-    """Whether the knobs send some CUDA peer over NVSHMEM."""
-    k = config.knobs()
-    return k.transport == 1 or (k.transport == 0 and 0 < k.host_size < world)
+    """Whether the knobs put the default group's CUDA windows in NVSHMEM's heap (the
+    backend's own decision, ``Options.uses_nvshmem``)."""
+    return config.knobs().uses_nvshmem(list(range(world)))
 
 
 def routes_some_peer(global_ranks) -> bool:
     """Whether the knobs send some CUDA peer of a group with these global ranks over NVSHMEM
-    (every peer with ``ODC_TRANSPORT=nvshmem``; peers on other hosts of ``ODC_HOST_SIZE``)."""
-    k = config.knobs()
-    ranks = list(global_ranks)
-    if k.transport == 1:
-        return len(ranks) > 1
-    return k.transport == 0 and k.host_size > 0 and len({g // k.host_size for g in ranks}) > 1
+    (every peer with ``ODC_TRANSPORT=nvshmem``; peers on other hosts of ``ODC_HOST_SIZE``):
+    the backend's own decision, ``Options.routes_some_peer``."""
+    return config.knobs().routes_some_peer(list(global_ranks))
 
 
 def init_from_backend(store, rank: int, world: int) -> bool:

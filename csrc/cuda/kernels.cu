@@ -1,3 +1,4 @@
+// Layer 2, a transport's kernels (kernels.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>

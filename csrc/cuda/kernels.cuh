@@ -1,4 +1,5 @@
-// Device kernels of the CUDA IPC transport (launchers callable from host code).
+// Layer 2, a transport's kernels: the device code of the CUDA transport (launchers
+// callable from host code). Depends on the layout (../layout.hpp: element types, reductions).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -6,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "protocol.hpp"
+#include "../layout.hpp"
 
 namespace odc {
 
@@ -112,7 +113,7 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
 // running flag kernel may be waiting for a peer that is itself stuck loading:
 // a cross-rank deadlock. Loading up front removes it.
 cudaError_t preload_kernels();
-// dst = combine of the sources in rank order (ReduceSpec's semantics: protocol.hpp).
+// dst = combine of the sources in rank order (ReduceSpec's semantics: layout.hpp).
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine, int blocks,
                           cudaStream_t stream);
 // dst[i] += src[i] with system-scope atomics (dst may be a peer's memory; other GPUs add

@@ -1,3 +1,6 @@
+// Layer 2, a transport's memory: NVSHMEM (device_memory.hpp), and its runtime. Depends on
+// device_memory.hpp and the transport interface.
+//
 // NVSHMEM runtime for the NVSHMEM transport (peers on other hosts; runs on one host).
 //
 // Built only with ODC_WITH_NVSHMEM (setup.py: ODC_WITH_NVSHMEM=1). Host API only: the
@@ -22,7 +25,7 @@
 #include <utility>
 #include <vector>
 
-#include "transport_cuda_ipc.hpp"
+#include "device_memory.hpp"
 
 namespace odc::nvshmem {
 

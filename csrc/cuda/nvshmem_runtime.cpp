@@ -1,3 +1,4 @@
+// Layer 2, a transport's memory: NVSHMEM (nvshmem_runtime.hpp).
 #include "nvshmem_runtime.hpp"
 
 #include <c10/util/Exception.h>
@@ -11,7 +12,7 @@
 #include <cstring>
 #include <mutex>
 
-#include "text.hpp"
+#include "../text.hpp"
 
 namespace odc::nvshmem {
 namespace {

@@ -1,3 +1,7 @@
+// Layer 2, a transport: the CUDA transport (GPUs; classes keep their first name,
+// CudaIpcTransport). Depends on the transport interface (../transport.hpp), where its
+// memory lives (device_memory.hpp: CUDA IPC or NVSHMEM) and its kernels (kernels.cuh).
+//
 // CUDA IPC transport: GPUs of one host. Each window is a cudaMalloc'd buffer
 // opened by every peer through CUDA IPC (or, with ODC_TRANSPORT=nvshmem, a piece of
 // NVSHMEM's symmetric heap mapped peer-to-peer: see DeviceMemory). The steps of one
@@ -28,35 +32,11 @@
 #include <mutex>
 #include <thread>
 
+#include "../transport.hpp"
+#include "device_memory.hpp"
 #include "kernels.cuh"
-#include "transport.hpp"
 
 namespace odc {
-
-// Where a CUDA transport's windows and arenas live and how peers reach them: a cudaMalloc'd
-// buffer opened by the peers through CUDA IPC (the default), or NVSHMEM's symmetric heap
-// mapped peer-to-peer (ODC_TRANSPORT=nvshmem, nvshmem_runtime.cpp).
-class DeviceMemory {
- public:
-  virtual ~DeviceMemory() = default;
-  // Collective over the group: `bytes` of zeroed memory on this GPU; returns every rank's
-  // base as a pointer this GPU can load, store and copy through.
-  virtual std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
-                                  const char* what) = 0;
-  virtual void close(const TransportArgs& a, std::vector<char*>& bases) = 0;
-
-  // Routed peers (NVSHMEM's API path, e.g. GPUs on other hosts): their bases are placeholder
-  // addresses that no kernel may touch; copies and signals that involve them go through
-  // copy_routed / signal_routed on the lane's stream, in stream order. `slot` (ring x
-  // world + lane) names the copy's staging room: copies with one slot never overlap in time
-  // (one ring's operations run in order, one lane's steps in stream order).
-  virtual bool any_routed() const { return false; }
-  virtual bool routed(const void* p) const { return false; }
-  virtual void copy_routed(int slot, void* dst, const void* src, size_t bytes, cudaStream_t s) {}
-  // Before a step's routed signals: the lane's earlier routed puts have landed.
-  virtual void quiet_routed(cudaStream_t s) {}
-  virtual void signal_routed(uint64_t* flag, uint64_t value, cudaStream_t s) {}
-};
 
 class CudaIpcTransport final : public Transport {
  public:

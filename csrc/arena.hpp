@@ -1,0 +1,42 @@
+// Layer 3, protocol and arena: decoupled mode's arena, the one-sided state a decoupled
+// model keeps between syncs (published shards, fp32 accumulators, epoch counters).
+// Depends on the layout (layout.hpp) and the transport interface (transport.hpp).
+#pragma once
+
+#include <cstdint>
+
+#include "layout.hpp"
+#include "transport.hpp"
+
+namespace odc {
+
+// Between two syncs: get() reads owners' published shards (waiting only until they
+// announced the epoch), accumulate() adds into owners' accumulators (never waits).
+// finish() is the minibatch's one synchronisation; take() then reads and clears this
+// rank's accumulator; publish() + announce() make the next epoch's shards readable.
+// Group indices are validated by the caller (decoupled.cpp).
+class Arena {
+ public:
+  Arena(int rank, int world, ArenaLayout layout, Transport* transport, int id);
+
+  const ArenaLayout& layout() const { return layout_; }
+  void publish(int group, const void* shard);
+  void announce(uint64_t epoch);
+  void get(int group, void* out, uint64_t epoch, uint64_t op_seq);  // out: world shards
+  void accumulate(int group, const void* in, DType dtype);          // in: world shards
+  void finish(uint64_t epoch, uint64_t op_seq);
+  void take(int group, float* out);
+
+ private:
+  uint64_t* flag_in(int owner, ArenaLayout::Flag kind, int index);
+
+  char* base(int rank) { return t_->arena(id_, rank); }
+
+  int rank_;
+  int world_;
+  ArenaLayout layout_;
+  Transport* t_;
+  int id_;
+};
+
+}  // namespace odc

@@ -1,0 +1,151 @@
+// Layer 4, channel: the transport factory (channel.hpp). Picks and sets up a device's
+// transport from the options: host shared memory for CPU tensors; for CUDA tensors the CUDA
+// transport over CUDA IPC memory, or over NVSHMEM's heap where options route some peer.
+#include "channel.hpp"
+
+#include <unistd.h>
+
+#include <cstring>
+
+#include "text.hpp"
+#include "transport_shm.hpp"
+#ifdef ODC_WITH_NVSHMEM
+#include "cuda/nvshmem_runtime.hpp"
+#endif
+
+#ifdef ODC_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/cuda_transport.hpp"
+#endif
+
+namespace odc {
+
+namespace {
+std::vector<uint8_t> this_host() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return std::vector<uint8_t>(host, host + std::strlen(host));
+}
+}  // namespace
+
+#ifdef ODC_WITH_CUDA
+namespace {
+// Every rank's place: its host name, then '/' and its GPU's UUID.
+std::vector<std::vector<uint8_t>> gpu_places(const TransportArgs& a, int device) {
+  cudaDeviceProp prop;
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  std::vector<uint8_t> mine = this_host();
+  mine.push_back('/');
+  mine.insert(mine.end(), prop.uuid.bytes, prop.uuid.bytes + sizeof(prop.uuid.bytes));
+  return exchange_blobs(a, "device", mine);
+}
+
+std::string host_of(const std::vector<uint8_t>& place) {
+  const std::string s(place.begin(), place.end());
+  return s.substr(0, s.rfind('/'));
+}
+
+// Whether another rank of the group uses this GPU (host name and device UUID compared):
+// NCCL refuses such groups, so odc then serves the inner backend's collectives itself.
+bool shared_by_ranks(const TransportArgs& a, const std::vector<std::vector<uint8_t>>& places) {
+  for (int r = 0; r < a.world; ++r) {
+    if (r != a.rank && places[r] == places[a.rank]) return true;
+  }
+  return false;
+}
+}  // namespace
+#endif
+
+Channel make_channel(const c10::Device& device, const Options& options,
+                     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {
+  Channel ch;
+  ch.device = device;
+  const bool cuda = device.is_cuda();
+  TransportArgs a;
+  a.store = store;
+  a.rank = rank;
+  a.world = size;
+  a.timeout = options.timeout;
+  a.key_prefix = cuda ? "odc_cuda/" : "odc_shm/";
+  const size_t chunk = options.chunk_bytes_for(cuda);
+  const int slots = options.ring_slots;
+  try {
+    a.layout = WindowLayout(size, chunk, slots);
+    if (cuda) {
+#ifdef ODC_WITH_CUDA
+      const odc::Options& o = options;
+      // Per peer: CUDA IPC on this host; NVSHMEM for peers on other hosts (ODC_HOST_SIZE),
+      // or for every peer with ODC_TRANSPORT=nvshmem.
+      std::vector<int> pes(options.global_ranks_in_group.begin(), options.global_ranks_in_group.end());
+      std::vector<bool> routed(size, false);
+      for (int r = 0; r < size; ++r) routed[r] = o.routes_peer(pes[rank], pes[r]);
+      // CUDA IPC reaches only this host's GPUs: a peer the knobs put on this host but whose
+      // host name differs would fail later, obscurely, in cudaIpcOpenMemHandle.
+      const auto places = gpu_places(a, device.index());
+      for (int r = 0; r < size; ++r) {
+        ODC_CHECK(routed[r] || host_of(places[r]) == host_of(places[rank]), ValueError,
+                  "odc: group '", options.group_name, "': rank ", r, " runs on host '", host_of(places[r]),
+                  "' and this rank (", rank, ") on '", host_of(places[rank]),
+                  "', but ", o.transport == TransportKind::CudaIpc ? "ODC_TRANSPORT=ipc" : (options.host_size > 0
+                  ? cat("ODC_HOST_SIZE=", options.host_size) : std::string("ODC_HOST_SIZE (unset)")),
+                  " puts them on one host, where odc reaches peers through CUDA IPC. Set "
+                  "ODC_HOST_SIZE to the ranks per host (torchrun's --nproc-per-node) on every rank,"
+                  " with an ODC_WITH_NVSHMEM=1 build: peers on other hosts then go over NVSHMEM");
+      }
+      std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
+      const std::vector<int64_t> group(pes.begin(), pes.end());
+      if (o.uses_nvshmem(group)) {
+#ifdef ODC_WITH_NVSHMEM
+        memory = nvshmem::make_memory(std::move(pes), std::move(routed), device.index(),
+                                      options.nvshmem_stage_always);
+#else
+        ODC_CHECK(false, ValueError, "odc: ",
+                  o.transport == TransportKind::Nvshmem ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
+                  " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
+#endif
+      }
+      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), o.reduce_blocks,
+                                                        o.accumulate_blocks, o.small_op_bytes,
+                                                        o.stream_memops, std::move(memory));
+      c10::cuda::CUDAGuard g(device.index());
+      cudaStream_t s;
+      int lo = 0, hi = 0;
+      C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+      C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi));
+      ch.async_stream = s;
+      ch.shares_device = shared_by_ranks(a, places);
+#else
+      ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
+                         "built against a CPU-only torch); rebuild it where torch has CUDA");
+#endif
+    } else {
+      ODC_CHECK(device.is_cpu(), ValueError, "odc: unsupported device ", device,
+                        " (odc moves CPU and CUDA tensors)");
+      // Shared memory reaches only this host's processes: say so instead of timing out.
+      const auto hosts = exchange_blobs(a, "host", this_host());
+      for (int r = 0; r < size; ++r) {
+        ODC_CHECK(hosts[r] == hosts[rank], ValueError, "odc: group '", options.group_name,
+                  "': rank ", r, " runs on host '", std::string(hosts[r].begin(), hosts[r].end()),
+                  "' and this rank (", rank, ") on '",
+                  std::string(hosts[rank].begin(), hosts[rank].end()),
+                  "'; odc moves CPU tensors through this host's shared memory only. Across hosts, "
+                  "let gloo move CPU tensors: init_process_group('cpu:gloo,cuda:odc')");
+      }
+      ch.transport = std::make_unique<ShmTransport>(a);
+    }
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    ODC_CHECK(false, Error, "odc: could not set up the ",
+              (cuda ? "CUDA" : "shared-memory"),
+                " transport of group '", options.group_name, "' (", a.layout.total >> 20,
+                " MiB window): ", e.what());
+  }
+  ch.protocol = std::make_unique<Protocol>(rank, size, a.layout, ch.transport.get());
+  return ch;
+}
+
+
+}  // namespace odc

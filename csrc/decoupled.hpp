@@ -1,0 +1,56 @@
+// Layer 5, backend: decoupled mode's one bound object. An arena made collectively by a
+// group's backend (OdcBackend.create_arena) on one device; torch_odc_backend/decoupled.py
+// drives it. It holds its backend, so the backend's transport (where the arena's memory
+// lives) outlives it; after the group is shut down its calls raise instead of touching it.
+// Depends on the backend (backend.hpp) and the arena (arena.hpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "arena.hpp"
+#include "backend.hpp"
+
+namespace odc {
+
+class DecoupledArena {
+ public:
+  // Collective over the backend's group: lays out the arena for these parameter groups (per
+  // group: shard elements, parameter element size, accumulator elements) on `device`.
+  static std::shared_ptr<DecoupledArena> create(c10::intrusive_ptr<OdcBackend> backend,
+                                                const c10::Device& device,
+                                                const std::vector<int64_t>& shard_numel,
+                                                const std::vector<int64_t>& param_elem_size,
+                                                const std::vector<int64_t>& grad_numel);
+
+  // Act on this rank; get and accumulate touch peers' arenas one-sidedly. finish is the
+  // minibatch's synchronisation (collective).
+  void publish(int64_t group, const at::Tensor& shard);
+  void announce(int64_t epoch);
+  void get(int64_t group, const at::Tensor& out, int64_t epoch);
+  void accumulate(int64_t group, const at::Tensor& in);
+  void finish(int64_t epoch);
+  void take(int64_t group, const at::Tensor& out);
+  int64_t size();  // bytes of its shared layout on each rank
+
+ private:
+  DecoupledArena(c10::intrusive_ptr<OdcBackend> backend, c10::Device device,
+                 std::unique_ptr<Arena> arena, Transport* transport);
+  void check_group(int64_t group, const char* what) const;
+  // Runs body under the group's lock, as a collective: a communication failure breaks the group.
+  template <typename F>
+  void call(F&& body);
+  // Runs fn between the transport's begin_op / end_op on the current stream (CUDA).
+  template <typename F>
+  void op(Transport::Ring ring, F&& fn);
+
+  c10::intrusive_ptr<OdcBackend> backend_;
+  c10::Device device_;
+  std::unique_ptr<Arena> arena_;
+  Transport* transport_;  // owned by backend_'s channel of device_
+};
+
+}  // namespace odc

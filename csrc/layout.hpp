@@ -1,0 +1,142 @@
+// Layer 1, layout and descriptors: the byte layouts of a window and of a decoupled-mode
+// arena (identical on every rank), the element types and reductions, and the 64-bit
+// descriptor of a collective that ranks compare. Plain data; depends on nothing of odc.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace odc {
+
+enum class RedOp : int { Sum = 0, Avg = 1, PreMulSum = 2, Max = 3, Min = 4, Product = 5 };
+// Element types a reduction handles (FSDP's reduce-scatters use the first three).
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2, F64 = 3, I32 = 4, I64 = 5, U8 = 6, I8 = 7 };
+
+const char* dtype_name(DType d);
+size_t dtype_size(DType d);
+
+// A collective's descriptor: one 64-bit word that every rank of the group computes for
+// its own call and checks against its peers'. 0 means "not checked" (ODC_MATCH_CHECK=0).
+//   bit 63: set (a descriptor, never a stale zero)   bits 60-62: kind
+//   bits 56-59: reduce op (1 + RedOp; 0: none)       bits 48-55: element type (c10 ScalarType)
+//   bits 40-47: root (broadcast, scatter, gather)    bits 0-39: bytes (per rank, or per pair)
+enum class OpKind : int {
+  AllGather = 1, ReduceScatter, AllReduce, Broadcast, AllToAll, Scatter, Gather
+};
+uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes, int red_op, int root = 0);
+struct OpDescFields {
+  OpKind kind;
+  int scalar_type;
+  uint64_t bytes;
+  int red_op;  // 0, or 1 + RedOp
+  int root;
+};
+OpDescFields decode_op_desc(uint64_t desc);
+
+// Every collective a rank starts is *announced* to each peer before its first transfer:
+// one word in the peer's window, slot [announcer][number % kAnnounceSlots], holding the
+// collective's kind (its descriptor's kind bits: dtype, sizes, reduce op and root are
+// checked with the data) and, in the low 40 bits, the collective's number on that channel
+// (1, 2, ...; ranks issue the same collectives in the same order, so the numbers agree).
+// A wait that spins on a peer also watches the slot of that peer for its own number: a
+// peer that announced a *different* collective under the same number (one rank
+// all-gathers while the other reduce-scatters) fails the wait at once, naming both,
+// instead of after the group's timeout.
+constexpr int kAnnounceSlots = 16;
+constexpr uint64_t kAnnounceSeqMask = (uint64_t{1} << 40) - 1;
+inline uint64_t announce_word(uint64_t desc, uint64_t number) {
+  constexpr uint64_t kKindBits = uint64_t{15} << 60;  // bit 63 (a descriptor) and the kind
+  return (desc & kKindBits) | (number & kAnnounceSeqMask);
+}
+// What a wait watches while it spins (no watch: slots == nullptr).
+struct PeerWatch {
+  const uint64_t* slots = nullptr;  // this rank's announce slots, [world][kAnnounceSlots]
+  uint64_t word = 0;                // this rank's own announcement of the collective
+  const uint64_t* slot_of(int peer) const {
+    return slots + static_cast<size_t>(peer) * kAnnounceSlots + (word & kAnnounceSeqMask) % kAnnounceSlots;
+  }
+  // Whether `theirs` (read from slot_of(peer)) announces another collective under our number.
+  bool differs(uint64_t theirs) const {
+    return (theirs & kAnnounceSeqMask) == (word & kAnnounceSeqMask) && theirs != word;
+  }
+};
+
+// How values combine, element by element across ranks, in rank order (deterministic):
+// Sum (AVG and PREMUL_SUM are a Sum times `scale`), Max, Min or Product; accumulated in
+// fp32 for the 16- and 32-bit floats, fp64 for float64, int64 for integers, and rounded
+// once to the dtype.
+enum class Combine : int { Sum = 0, Max, Min, Product };
+struct ReduceSpec {
+  DType dtype = DType::F32;
+  Combine combine = Combine::Sum;
+  double scale = 1.0;                  // Sum of floats: AVG: 1/world; PREMUL_SUM: factor
+  const float* scale_ptr = nullptr;    // PREMUL_SUM with a tensor factor (converted to fp32)
+};
+
+// Byte layout of a window; identical on every rank of a group.
+struct WindowLayout {
+  static constexpr size_t kFlagStride = 128;  // one counter per 128-byte line
+  enum Flag : int { AgReady = 0, AgAck, RsReady, RsFree, kNumFlagArrays };
+  enum Desc : int { AgDesc = 0, RsDesc, kNumDescArrays };
+
+  WindowLayout() = default;
+  WindowLayout(int world, size_t chunk_bytes, int slots);
+
+  int world = 0;
+  size_t chunk_bytes = 0;
+  int slots = 0;
+  size_t flags_bytes = 0;  // the counters come first
+  // Offset of the descriptors: per kind, peer and ring slot, 16 bytes: the descriptor and
+  // the sequence number of the chunk it came with.
+  static constexpr size_t kDescBytes = 16;
+  size_t descs = 0;
+  size_t announce = 0;  // offset of the announce slots: [world][kAnnounceSlots] words
+  size_t ag_ring = 0;  // offset of the AG ring (slots * chunk_bytes)
+  size_t rs_ring = 0;  // offset of the RS landing rings (world * slots * chunk_bytes)
+  size_t total = 0;
+
+  // Offset of counter `kind`[index]: index is the peer the counter is about.
+  size_t flag(Flag kind, int index) const {
+    return (static_cast<size_t>(kind) * world + index) * kFlagStride;
+  }
+  // Offset of the descriptor `peer` stored with chunk `chunk` of ring `kind` (in the
+  // window of the rank that waits for that chunk).
+  size_t desc(Desc kind, int peer, uint64_t chunk) const {
+    return descs + ((static_cast<size_t>(kind) * world + peer) * slots + chunk % slots) * kDescBytes;
+  }
+  size_t announce_slot(int announcer, uint64_t number) const {
+    return announce + (static_cast<size_t>(announcer) * kAnnounceSlots + number % kAnnounceSlots) * 8;
+  }
+  size_t ag_slot(uint64_t chunk) const { return ag_ring + (chunk % slots) * chunk_bytes; }
+  size_t rs_slot(int src, uint64_t chunk) const {
+    return rs_ring + (static_cast<size_t>(src) * slots + chunk % slots) * chunk_bytes;
+  }
+};
+
+// Decoupled mode's persistent state, per rank: for every parameter group g the
+// rank's published parameter shard (param dtype) and its fp32 gradient accumulator,
+// plus two counter arrays: Done[src] (in the owner's arena: the epoch up to which
+// src has put all its contributions) and Pub[owner] (in a reader's arena: the epoch
+// the owner's published shards belong to).
+struct ArenaLayout {
+  static constexpr size_t kFlagStride = 128;
+  enum Flag : int { Done = 0, Pub, kNumFlagArrays };
+
+  ArenaLayout() = default;
+  ArenaLayout(int world, const std::vector<size_t>& shard_numel,
+              const std::vector<size_t>& param_elem_size, const std::vector<size_t>& grad_numel);
+
+  int world = 0;
+  std::vector<size_t> numel;      // per group: elements of one rank's (padded) shard
+  std::vector<size_t> grad_numel; // per group: elements of its trainable part (accumulator)
+  std::vector<size_t> pub_bytes;  // per group: bytes of the published shard
+  std::vector<size_t> pub_off, acc_off;
+  size_t total = 0;
+
+  size_t flag(Flag kind, int index) const {
+    return (static_cast<size_t>(kind) * world + index) * kFlagStride;
+  }
+};
+
+}  // namespace odc

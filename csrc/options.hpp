@@ -1,0 +1,85 @@
+// Layer: configuration. odc's backend options, one typed struct (what c10d's Options pattern
+// asks of a backend: create(), clone(), and the base's name, timeout, group name and ranks).
+// Depends on c10d's Backend::Options only. torch_odc_backend/config.py fills it from the
+// ODC_* environment; the fields' defaults here are the backend's defaults.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace odc {
+
+// How CUDA peers are reached (ODC_TRANSPORT).
+enum class TransportKind : int {
+  Auto = 0,     // CUDA IPC on this host, NVSHMEM for peers on other hosts (ODC_HOST_SIZE)
+  Nvshmem = 1,  // every peer over NVSHMEM
+  CudaIpc = 2,  // every peer over CUDA IPC
+};
+
+// Who serves the collectives FSDP does not issue (all-reduce, broadcast, ...; ODC_SELF_SERVE).
+enum class SelfServe : int {
+  Inner = 0,  // the inner gloo / NCCL backend
+  Odc = 1,    // odc itself, CPU and CUDA
+  Auto = 2,   // odc for CUDA tensors when ranks share a GPU or NCCL is absent, else the inner
+};
+
+// Ring defaults; Python sizes NVSHMEM's slab from them before any group exists.
+constexpr size_t kDefaultChunkCpu = 1 << 20;
+constexpr size_t kDefaultChunkCuda = 32 << 20;
+constexpr int kDefaultSlots = 4;
+
+struct Options final : c10d::Backend::Options {
+  explicit Options(std::chrono::milliseconds timeout = ::kBackendDefaultTimeout)
+      : c10d::Backend::Options("odc", timeout) {}
+
+  static c10::intrusive_ptr<Options> create(
+      std::chrono::milliseconds timeout = ::kBackendDefaultTimeout) {
+    return c10::make_intrusive<Options>(timeout);
+  }
+  c10::intrusive_ptr<Options> clone() const { return c10::make_intrusive<Options>(*this); }
+
+  size_t chunk_bytes = 0;         // ODC_CHUNK_BYTES: bytes per ring slot; 0: per device (above)
+  int ring_slots = kDefaultSlots; // ODC_RING_SLOTS: ring depth per channel
+  int reduce_blocks = 16;         // ODC_REDUCE_BLOCKS: CUDA blocks of the owner-side reduction
+  int accumulate_blocks = 16;     // ODC_ACCUMULATE_BLOCKS: per peer, decoupled put-accumulate
+  size_t small_op_bytes = 1 << 20;  // ODC_SMALL_OP_BYTES: largest copy of a fused op (0: none)
+  bool stream_memops = false;     // ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory ops
+  TransportKind transport = TransportKind::Auto;  // ODC_TRANSPORT
+  int host_size = 0;  // ODC_HOST_SIZE: global ranks per host (g, h on one iff g / n == h / n)
+  bool match_check = true;  // ODC_MATCH_CHECK: peers check each collective's descriptor
+  SelfServe self_serve = SelfServe::Auto;  // ODC_SELF_SERVE
+  bool nccl_available = true;  // whether torch has NCCL (SelfServe::Auto serves CUDA without)
+  // ODC_NVSHMEM_STAGE=always: routed copies stage their local side to every routed peer, not
+  // only to network peers (runs the network path where NVSHMEM maps every peer)
+  bool nvshmem_stage_always = false;
+
+  size_t chunk_bytes_for(bool cuda) const {
+    return chunk_bytes ? chunk_bytes : (cuda ? kDefaultChunkCuda : kDefaultChunkCpu);
+  }
+  // The routing decision, for the channel and for Python (NVSHMEM set-up, decoupled mode):
+  // whether CUDA traffic between these two global ranks goes over NVSHMEM.
+  bool routes_peer(int64_t global_a, int64_t global_b) const {
+    if (global_a == global_b || transport == TransportKind::CudaIpc) return false;
+    return transport == TransportKind::Nvshmem ||
+           (host_size > 0 && global_a / host_size != global_b / host_size);
+  }
+  bool routes_some_peer(const std::vector<int64_t>& global_ranks) const {
+    // Routing splits ranks into classes (hosts; with Nvshmem, each rank its own): some pair
+    // is routed iff some rank is routed from the first.
+    for (int64_t b : global_ranks) {
+      if (routes_peer(global_ranks.front(), b)) return true;
+    }
+    return false;
+  }
+  // Whether a group of these global ranks puts its CUDA windows in NVSHMEM's heap (every
+  // peer routed with TransportKind::Nvshmem, even in a group of one).
+  bool uses_nvshmem(const std::vector<int64_t>& global_ranks) const {
+    return transport == TransportKind::Nvshmem || routes_some_peer(global_ranks);
+  }
+};
+
+}  // namespace odc

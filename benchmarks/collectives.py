@@ -114,8 +114,8 @@ def _pct(xs, q):
 
 # --------------------------------------------------------------------------- odc's engine per size
 SMS_SOURCE = ("derived, not measured: the engine rule and defaults of csrc at this commit "
-              "(transport_cuda_ipc.cpp fusable(), backend.cpp kDefaultSmallOpBytes 1 MiB / "
-              "kDefaultReduceBlocks 16 / kDefaultChunkCuda 32 MiB, kernels.cu launch_fused / "
+              "(csrc/cuda/cuda_transport.cpp fusable(), csrc/options.hpp defaults small_op_bytes 1 MiB / "
+              "reduce_blocks 16 / chunk 32 MiB, kernels.cu launch_fused / "
               "launch_reduce / launch_flag_op) and this run's ODC_* knobs; sms = the most SMs "
               "holding odc's blocks at once per rank (one block per SM assumed), an upper bound")
 

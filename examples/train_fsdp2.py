@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import os
 
-# NVLink multicast must stay off on the lent GPU machines (see DESIGN.md §3);
+# NVLink multicast stays off (docs/configuration.md: a program using it can take a shared
+# host's GPUs out of service);
 # these must be set before torch.distributed / NCCL initialise.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

@@ -5,7 +5,7 @@ Used by test_callers.py on both devices (CPU: "cpu:odc" against gloo; CUDA:
 worker: once on meshes whose groups use the default backend (odc) and once on meshes whose
 groups are created with the reference backend (`init_device_mesh(backend_override=...)`).
 The reference meshes get other `mesh_dim_names`: two meshes of one shape otherwise compare
-equal and DTensor / FSDP could mix them up (README, "Limitations").
+equal and DTensor / FSDP could mix them up (docs/design.md, "Known limits").
 
 Both runs start from the same seeded weights and see the same batches (fsdp_models.batch),
 so they may differ only where the collectives differ.

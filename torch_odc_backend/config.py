@@ -4,7 +4,7 @@ Each entry names the variable, its parser (which raises ``ValueError`` naming th
 the ``OdcBackend.Options`` field it sets and what it does. An unset variable leaves the
 field at the backend's default (``csrc/options.hpp``). Knobs are read once per group
 creation; a split group inherits its parent's options instead.
-The README's "Environment knobs" table documents the same list.
+docs/configuration.md documents the same list (tests/test_config_docs.py keeps them equal).
 """
 from __future__ import annotations
 

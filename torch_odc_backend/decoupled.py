@@ -26,7 +26,7 @@ published from (and the gradients written to) host memory.
 into a local fp32 buffer (one unsharded gradient, +4 bytes per parameter) and ``sync``
 reduce-scatters it once over the odc group, instead of atomic adds into the owners'
 accumulators during backward (``"owner"``, whose atomics over NVLink can outlast short
-backward layers: README, "End-to-end"). Unset, it is ``"owner"``, or ``"local"`` where the
+backward layers: docs/performance.md). Unset, it is ``"owner"``, or ``"local"`` where the
 shard group reaches some peer over NVSHMEM (``ODC_TRANSPORT=nvshmem``, peers on other hosts):
 NVSHMEM has no floating-point atomics to add into a remote accumulator.
 

@@ -24,7 +24,7 @@ Available when the extension was built with ``ODC_WITH_NVSHMEM=1`` (CUDA builds;
 from ``$NVSHMEM_HOME`` or the ``nvidia-nvshmem-cu13`` wheel). The NVSHMEM world is the
 default process group and PE = global rank, the layout PyTorch's own NVSHMEM use assumes;
 rank 0's unique id reaches the others through ``broadcast_object_list`` on the default
-group. Facts, plan and open questions: docs/nvshmem_transport.md.
+group. How to build, launch and what is tested: docs/multi_host.md.
 """
 from __future__ import annotations
 

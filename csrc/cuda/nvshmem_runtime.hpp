@@ -5,7 +5,7 @@
 //
 // Built only with ODC_WITH_NVSHMEM (setup.py: ODC_WITH_NVSHMEM=1). Host API only: the
 // extension links libnvshmem_host and no NVSHMEM device code, so initialisation goes
-// through nvshmemx_hostlib_init_attr (docs/nvshmem_transport.md, section 1).
+// through nvshmemx_hostlib_init_attr (docs/multi_host.md).
 //
 // One initialisation per process over the default group's world (PE = global rank, as
 // PyTorch's own NVSHMEM use assumes); a slab of the symmetric heap that groups sub-allocate

@@ -25,7 +25,6 @@ HOST_SOURCES = [
     "csrc/backend.cpp",
     "csrc/own_collectives.cpp",
     "csrc/decoupled.cpp",
-    "csrc/claims.cpp",
     "csrc/bindings.cpp",
 ]
 CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csrc/cuda/kernels.cu"]

@@ -1,5 +1,5 @@
 // Layer 5, backend: OdcBackend (backend.hpp): argument checks, launching collectives on a
-// channel, delegation to the inner backends (claims.cpp: the store-based claims).
+// channel, delegation to the inner backends, the store-based claims of odc.balance.
 #include "backend.hpp"
 
 #include <ATen/core/ivalue.h>
@@ -647,6 +647,24 @@ void OdcBackend::count(const std::string& key, uint64_t n) {
 std::map<std::string, uint64_t> OdcBackend::stats() const {
   std::lock_guard<std::mutex> lock(stats_mu_);
   return stats_;
+}
+
+// ---- The group-wide values odc.balance shares through the group's store: atomic counters
+// for dynamic work sharing and small published values (the ranks' measured speeds).
+int64_t OdcBackend::claim(const std::string& key, int64_t amount) {
+  settle_default_backend_type();
+  return store_->add("odc_claim/" + key, amount) - amount;
+}
+
+void OdcBackend::forget(const std::string& key) { store_->deleteKey("odc_claim/" + key); }
+
+void OdcBackend::publish(const std::string& key, const std::string& value) {
+  store_->set("odc_claim/" + key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::string OdcBackend::lookup(const std::string& key) {
+  const std::vector<uint8_t> v = store_->get("odc_claim/" + key);  // waits up to the timeout
+  return std::string(v.begin(), v.end());
 }
 
 }  // namespace odc

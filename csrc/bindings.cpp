@@ -2,7 +2,7 @@
 // build facts; the NVSHMEM runtime in NVSHMEM builds. Depends on the backend layer.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's type casters (not torch/extension.h: the whole C++ API)
 
 #include "backend.hpp"
 #include "decoupled.hpp"

@@ -1,5 +1,5 @@
 // Layer 2, the transport interface: what every transport shares (transport.hpp).
-#include "transport.hpp"
+#include "rendezvous.hpp"
 
 #include <c10/core/ScalarType.h>
 

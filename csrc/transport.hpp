@@ -1,11 +1,8 @@
 // Layer 2, the transport interface: what a transport does for the protocol (wait on
-// counters, signal them, copy, reduce, on lanes), and the pieces every transport shares:
-// window rendezvous through the group's store, the error type, the argument bundle a
-// transport is created from, and the text of wait errors. Depends on the layout
-// (layout.hpp) and c10d's Store.
+// counters, signal them, copy, reduce, on lanes), the error type and the text of wait
+// errors. Depends on the layout (layout.hpp) only; a transport's set-up through the group's
+// store is in rendezvous.hpp.
 #pragma once
-
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <stdexcept>
@@ -85,21 +82,6 @@ class Transport {
   [[noreturn]] static void unsupported(const char* what);
   PeerWatch watch_;
 };
-
-struct TransportArgs {
-  c10::intrusive_ptr<c10d::Store> store;  // the group's (prefixed) store
-  int rank = 0;
-  int world = 1;
-  WindowLayout layout;
-  std::chrono::milliseconds timeout{0};
-  std::string key_prefix;  // distinguishes the transports of one group in the store
-};
-
-// Publish this rank's blob under `name`, return every rank's blob (index = rank).
-std::vector<std::vector<uint8_t>> exchange_blobs(const TransportArgs& a, const std::string& name,
-                                                 const std::vector<uint8_t>& mine);
-// Every rank reaches this point (store-based; used only during set-up).
-void store_barrier(const TransportArgs& a, const std::string& name);
 
 std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint64_t seen,
                           std::chrono::milliseconds timeout);

@@ -8,7 +8,7 @@
 
 #include <sys/types.h>
 
-#include "transport.hpp"
+#include "rendezvous.hpp"
 
 namespace odc {
 

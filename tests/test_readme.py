@@ -80,6 +80,8 @@ def test_example_block_trains():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{out[-3000:]}"
     assert "[train_fsdp2] done: loss" in out, out[-3000:]
+    # and exits cleanly: no inner gloo group left to interpreter shutdown (tests/test_teardown.py)
+    assert "terminate called" not in out, out[-3000:]
 
 
 def _scripts():

@@ -32,7 +32,7 @@
 #include <mutex>
 #include <thread>
 
-#include "../transport.hpp"
+#include "../rendezvous.hpp"
 #include "device_memory.hpp"
 #include "kernels.cuh"
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "../transport.hpp"
+#include "../rendezvous.hpp"
 
 namespace odc {
 

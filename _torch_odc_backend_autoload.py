@@ -40,8 +40,8 @@ def check_knobs() -> None:
 
 
 def _create(opts, pg_options):
-    """The registered creator: the package loads with the first odc group."""
-    check_knobs()
+    """The registered creator: the package loads with the first odc group (its creator
+    raises a bad ODC_DEFAULT_BACKEND first: check_knobs)."""
     import torch_odc_backend
 
     return torch_odc_backend._create_backend(opts, pg_options)

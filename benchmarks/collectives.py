@@ -245,6 +245,9 @@ class Bench:
         import torch.distributed as dist
 
         self.torch, self.dist, self.args = torch, dist, args
+        # torch 2.13's names where they exist (the older ones warn there)
+        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         self.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
         self.ref = args.reference.replace("-", "_") if args.reference else ("nccl" if self.cuda else "gloo")
@@ -424,16 +427,12 @@ class Bench:
         return 20 if nbytes <= 8 * MiB else 10 if nbytes <= 64 * MiB else 5
 
     # ---------------------------------------------------------------- collectives
-    # torch 2.13's names where they exist (the older ones warn there)
     def ag(self, backend, out, inp):
-        dist = self.dist
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, inp, group=self.groups[backend])
+        self._gather(out, inp, group=self.groups[backend])
 
     def rs(self, backend, out, inp, op=None):
-        dist = self.dist
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        scatter(out, inp, op=op if op is not None else dist.ReduceOp.SUM, group=self.groups[backend])
+        self._scatter(out, inp, op=op if op is not None else self.dist.ReduceOp.SUM,
+                      group=self.groups[backend])
 
     def _gen(self, seed: int):
         g = self.torch.Generator(device=self.device)

@@ -49,15 +49,21 @@ inline uint64_t announce_word(uint64_t desc, uint64_t number) {
   constexpr uint64_t kKindBits = uint64_t{15} << 60;  // bit 63 (a descriptor) and the kind
   return (desc & kKindBits) | (number & kAnnounceSeqMask);
 }
-// What a wait watches while it spins (no watch: slots == nullptr).
+#ifdef __CUDACC__
+#define ODC_HOST_DEVICE __host__ __device__
+#else
+#define ODC_HOST_DEVICE
+#endif
+// What a wait watches while it spins (no watch: slots == nullptr); the host waits and the
+// GPU wait kernels use the same two rules.
 struct PeerWatch {
   const uint64_t* slots = nullptr;  // this rank's announce slots, [world][kAnnounceSlots]
   uint64_t word = 0;                // this rank's own announcement of the collective
-  const uint64_t* slot_of(int peer) const {
+  ODC_HOST_DEVICE const uint64_t* slot_of(int peer) const {
     return slots + static_cast<size_t>(peer) * kAnnounceSlots + (word & kAnnounceSeqMask) % kAnnounceSlots;
   }
   // Whether `theirs` (read from slot_of(peer)) announces another collective under our number.
-  bool differs(uint64_t theirs) const {
+  ODC_HOST_DEVICE bool differs(uint64_t theirs) const {
     return (theirs & kAnnounceSeqMask) == (word & kAnnounceSeqMask) && theirs != word;
   }
 };

@@ -25,51 +25,52 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
+// The group's first failure wins: fill the record, then publish its code (the host reads
+// the fields once it sees the code). 1: a wait timed out, 2: a descriptor mismatch, 3: a
+// peer announced another collective (kernels.cuh, DeviceError).
+__device__ void record_error(DeviceError* err_ptr, int code, int peer, unsigned long long op_seq,
+                             const char* op, const char* what, unsigned long long mine,
+                             unsigned long long theirs, unsigned long long target,
+                             unsigned long long seen) {
+  volatile DeviceError* err = err_ptr;
+  if (err->code != 0) return;
+  err->peer = peer;
+  err->op_seq = op_seq;
+  err->mine = mine;
+  err->theirs = theirs;
+  err->target = target;
+  err->seen = seen;
+  err->op = op;
+  err->what = what;
+  __threadfence_system();
+  err->code = code;
+  __threadfence_system();
+}
+
 // Spin until *flag >= target. Returns false when the wait timed out (recorded in
 // err) or the group already failed (err->code set by another wait).
-// With watch_slots, also fail (code 3) as soon as the peer announced another collective
-// under the number of this rank's announcement watch_word (PeerWatch, protocol.hpp).
+// With watch.slots, also fail (code 3) as soon as the peer announced another collective
+// under the number of this rank's announcement (PeerWatch, layout.hpp).
 __device__ bool wait_counter(const uint64_t* flag, uint64_t target, uint64_t start,
                              unsigned long long timeout_ns, DeviceError* err_ptr, int peer,
                              unsigned long long op_seq, const char* op, const char* what,
-                             const uint64_t* watch_slots, unsigned long long watch_word) {
+                             const PeerWatch& watch) {
   volatile DeviceError* err = err_ptr;
   uint64_t seen;
   uint32_t iter = 0;
-  const uint64_t* watched =
-      watch_slots ? watch_slots + static_cast<size_t>(peer) * kAnnounceSlots +
-                        (watch_word & kAnnounceSeqMask) % kAnnounceSlots
-                  : nullptr;
+  const uint64_t* watched = watch.slots ? watch.slot_of(peer) : nullptr;
   while ((seen = load_acquire(flag)) < target) {
     if ((++iter & 1023u) != 0) continue;
     if (err->code != 0) return false;  // the group already failed: drain the stream quickly
     if (watched) {
       const uint64_t theirs = load_acquire(watched);
-      if ((theirs & kAnnounceSeqMask) == (watch_word & kAnnounceSeqMask) && theirs != watch_word) {
-        if (err->code == 0) {
-          err->peer = peer;
-          err->op_seq = op_seq;
-          err->mine = watch_word;
-          err->theirs = theirs;
-          err->op = op;
-          err->what = what;
-          __threadfence_system();
-          err->code = 3;
-          __threadfence_system();
-        }
+      if (watch.differs(theirs)) {
+        record_error(err_ptr, 3, peer, op_seq, op, what, watch.word, theirs, 0, 0);
         return false;
       }
     }
     if (global_ns() - start > timeout_ns) {
-      err->peer = peer;
-      err->op_seq = op_seq;
-      err->target = target;
-      err->seen = seen;
-      err->op = op;
-      err->what = what;
-      __threadfence_system();
-      err->code = 1;
-      __threadfence_system();
+      record_error(err_ptr, 1, peer, op_seq, op, what, 0, 0, target, seen);
       return false;
     }
   }
@@ -86,20 +87,7 @@ __device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
   const volatile uint64_t* d = reinterpret_cast<const volatile uint64_t*>(desc);
   const unsigned long long theirs = d[0], their_chunk = d[1];
   if (theirs == expected && their_chunk == chunk) return true;
-  volatile DeviceError* err = err_ptr;
-  if (err->code == 0) {
-    err->peer = peer;
-    err->op_seq = op_seq;
-    err->mine = expected;
-    err->theirs = theirs;
-    err->target = chunk;
-    err->seen = their_chunk;
-    err->op = op;
-    err->what = nullptr;
-    __threadfence_system();
-    err->code = 2;
-    __threadfence_system();
-  }
+  record_error(err_ptr, 2, peer, op_seq, op, nullptr, expected, theirs, chunk, their_chunk);
   return false;
 }
 
@@ -117,7 +105,7 @@ __global__ void flag_kernel(FlagOp op) {
   const uint64_t start = global_ns();
   for (int i = t; i < op.n_wait; i += blockDim.x) {
     if (!wait_counter(op.wait[i], op.wait_target, start, op.timeout_ns, op.err, op.wait_peer[i],
-                      op.op_seq, op.op, op.what, op.watch_slots, op.watch_word)) {
+                      op.op_seq, op.op, op.what, PeerWatch{op.watch_slots, op.watch_word})) {
       return;
     }
     if (op.desc_expected && !check_desc(op.desc[i], op.desc_expected, op.wait_target - 1, op.err,
@@ -334,7 +322,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
           const int k = s.first + threadIdx.x;
           if (!wait_counter(static_cast<const uint64_t*>(op.ptrs[k]), s.value, start,
                             op.timeout_ns, op.err, op.peers[k], op.op_seq, op.op, s.what,
-                            op.watch_slots, op.watch_word) ||
+                            PeerWatch{op.watch_slots, op.watch_word}) ||
               (s.desc && !check_desc(static_cast<const uint64_t*>(op.ptrs[k + s.n]), s.desc,
                                      s.value - 1, op.err, op.peers[k], op.op_seq, op.op))) {
             failed = 1;

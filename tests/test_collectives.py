@@ -495,6 +495,38 @@ def test_ops_on_two_streams_keep_issue_order():
     assert not errors, "\n".join(errors)
 
 
+def _one_queue_worker(rank, world):
+    """Copy-engine all-gathers and reduce-scatters on two streams, every stream of the process
+    on one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1): the queue runs the lanes' steps in
+    issue order, so a signal held back behind a wait would deadlock the ranks."""
+    dev, errors, cases = _device(), [], []
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for i in range(6):
+        with torch.cuda.stream(streams[i % 2]):
+            c = (ag_case(200 + i, 1 << 20, torch.bfloat16, rank, world, device=dev) if i % 2 == 0 else
+                 rs_case(200 + i, 1 << 20, torch.float32, rank, world, "sum", device=dev))
+            if i % 2 == 0:
+                dist.all_gather_into_tensor(c["out"], c["inp"])
+            else:
+                dist.reduce_scatter_tensor(c["out"], c["inp"], op=c["redop"])
+        cases.append(c)
+    torch.cuda.synchronize()
+    for i, c in enumerate(cases):
+        errors += check_case(c, f"op #{i} with one hardware queue")
+    return errors
+
+
+# Ranks sharing one GPU, each process's streams on one hardware queue: the worst aliasing of
+# streams onto queues (under MPS a process gets few queues; 4 ranks there used to hang).
+@gpu_test()
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_hardware_queue_per_process(world):
+    env = {**GPU_ENV, **SMALL_GPU_RING, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "ODC_SMALL_OP_BYTES": "0"}
+    res = run_distributed(_one_queue_worker, world, backend=BACKEND, env=env, timeout_s=30, deadline_s=240)
+    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
+    assert not errors, "\n".join(errors)
+
+
 def _device_errors_worker(rank, world):
     from test_errors import expect_error
 

@@ -452,6 +452,14 @@ void CudaIpcTransport::run_on_copy_engines() {
   for (const Step& s : steps_) {
     switch (s.kind) {
       case kStepWait:
+        // Signals issued on other lanes before this wait go out first. Streams may share a
+        // hardware queue (few connections per process, fewer under MPS), and a queue runs
+        // in order: a signal held back behind this wait could then wait for it, and two
+        // ranks would wait for each other. Issue order itself is deadlock-free (the
+        // protocol's chunk-major order), so keeping every queue in issue order is too.
+        for (int lane = 0; lane < a_.world; ++lane) {
+          if (lane != s.lane) flush_signals(lane);
+        }
         launch_flags(s.lane, &s);
         break;
       case kStepSignal:

@@ -145,7 +145,8 @@ class CudaIpcTransport final : public Transport {
   std::vector<std::vector<char*>> arenas_;    // decoupled mode: per arena, every rank's base
   Lanes* cur_ = nullptr;
   std::vector<bool> lane_used_;
-  // Signals issued on a lane are folded into that lane's next wait kernel: up to
+  // Signals issued on a lane are folded into that lane's next wait kernel (unless a wait on
+  // another lane comes first: then they go out on their own kernel before it): up to
   // kSignalBatches batches of counters, each with its value, stored in order.
   struct PendingSignals {
     std::vector<uint64_t*> flags[kSignalBatches];

@@ -21,6 +21,7 @@ HOST_SOURCES = [
     "csrc/transport_shm.cpp",
     "csrc/protocol.cpp",
     "csrc/arena.cpp",
+    "csrc/pool.cpp",
     "csrc/channel.cpp",
     "csrc/backend.cpp",
     "csrc/own_collectives.cpp",

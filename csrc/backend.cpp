@@ -19,6 +19,7 @@
 #ifdef ODC_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -252,6 +253,86 @@ Channel& OdcBackend::channel(const c10::Device& device) {
   return channels_.emplace(device.type(), std::move(ch)).first->second;
 }
 
+bool OdcBackend::registered_inputs(Channel& ch, bool ag, const at::Tensor& in,
+                                   const at::Tensor& out, size_t per_rank,
+                                   std::vector<const char*>* in_at, RegisteredId* id) const {
+  const RegisteredPool* pool = ch.pool.get();
+  const int rank = getRank(), world = getSize();
+  size_t off = 0, out_off = 0;
+  if (!pool || !in.data_ptr() || !pool->find(in.data_ptr(), ag ? per_rank : per_rank * world, &off)) {
+    return false;
+  }
+  // An all-gather in place (its input this rank's part of its output, FSDP2's way): each
+  // rank's input is its own part of an output that lies at the same place on every rank.
+  id->in_place = ag && out.data_ptr() &&
+                 static_cast<const char*>(in.data_ptr()) ==
+                     static_cast<const char*>(out.data_ptr()) + static_cast<size_t>(rank) * per_rank &&
+                 pool->find(out.data_ptr(), per_rank * world, &out_off);
+  id->offset = id->in_place ? out_off : off;
+  in_at->clear();
+  for (int r = 0; r < world; ++r) {
+    in_at->push_back(pool->base(r) + id->offset + (id->in_place ? static_cast<size_t>(r) * per_rank : 0));
+  }
+  return true;
+}
+
+at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
+  const c10::Device device = options.device();
+  ODC_CHECK(size >= 0, ValueError, "odc: allocate_tensor: negative size ", size);
+  ODC_CHECK(device.is_cpu() || device.is_cuda(), ValueError,
+            "odc: allocate_tensor: unsupported device ", device);
+  settle_default_backend_type();
+  std::shared_ptr<RegisteredPool> pool;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_usable();
+    Channel& ch = channel(device);
+    if (!ch.pool && ch.transport->maps_every_peer()) {
+      const size_t bytes = options_->pool_bytes_for(device.is_cuda());
+      const int arena = ch.transport->create_arena(bytes);  // collective
+      std::vector<char*> bases;
+      for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
+      RegisteredPool::StreamOrder order;
+#ifdef ODC_WITH_CUDA
+      if (device.is_cuda()) {
+        const c10::DeviceIndex idx = device.index();
+        order.current = [idx]() -> void* { return c10::cuda::getCurrentCUDAStream(idx).stream(); };
+        order.record = [idx](void* stream) {
+          c10::cuda::CUDAGuard g(idx);
+          cudaEvent_t ev = nullptr;
+          C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+          C10_CUDA_CHECK(cudaEventRecord(ev, static_cast<cudaStream_t>(stream)));
+          return std::shared_ptr<void>(ev, [idx](void* e) {
+            c10::cuda::CUDAGuard g2(idx);
+            (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+          });
+        };
+        order.done = [](const std::shared_ptr<void>& ev) {
+          const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(ev.get()));
+          if (e == cudaErrorNotReady) (void)cudaGetLastError();
+          return e == cudaSuccess;
+        };
+        order.wait = [](void* stream, const std::shared_ptr<void>& ev) {
+          C10_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                             static_cast<cudaEvent_t>(ev.get()), 0));
+        };
+      }
+#endif
+      ch.pool = std::make_shared<RegisteredPool>(std::move(bases), bytes, getRank(), std::move(order));
+    }
+    pool = ch.pool;
+  }
+  const size_t bytes = static_cast<size_t>(size) * options.dtype().itemsize();
+  const size_t off = pool ? pool->allocate(bytes) : SIZE_MAX;
+  if (off == SIZE_MAX) {  // full (or no pool): ordinary memory, the staged path
+    count("registered_fallbacks", 1);
+    return at::empty({size}, options);
+  }
+  count("registered_allocations", 1);
+  return at::from_blob(pool->base(getRank()) + off, {size},
+                       [pool, off](void*) { pool->free(off); }, options);
+}
+
 void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
                   const char* what) {
   ODC_CHECK(t.defined(), ValueError, "odc: ", api, ": undefined ", what);
@@ -462,7 +543,20 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
       // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
       const uint64_t d = desc(ag ? OpKind::AllGather : OpKind::ReduceScatter, inputs[i], per_rank,
                               red_op, !ag);
-      if (ag) {
+      std::vector<const char*> in_at;
+      RegisteredId id;
+      if (registered_inputs(ch, ag, inputs[i], outputs[i], per_rank, &in_at, &id)) {
+        const uint64_t rd = desc(ag ? OpKind::AllGatherRegistered : OpKind::ReduceScatterRegistered,
+                                 inputs[i], per_rank, red_op, !ag);
+        if (ag) {
+          ch.protocol->all_gather_registered(outputs[i].data_ptr(), in_at, per_rank, id, seq, rd);
+        } else {
+          ch.protocol->reduce_scatter_registered(outputs[i].data_ptr(), in_at, outputs[i].numel(),
+                                                 elem, specs[i], id, seq, rd);
+        }
+        bytes += per_rank * world;
+        count("registered_ops", 1);
+      } else if (ag) {
         ch.protocol->all_gather(outputs[i].data_ptr(), inputs[i].data_ptr(), per_rank, seq, d);
         bytes += per_rank * world;
       } else {

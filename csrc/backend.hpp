@@ -72,6 +72,14 @@ class OdcBackend final : public c10d::Backend {
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return seq_; }
 
+  // Registered memory (pool.hpp): FSDP2's set_allocate_memory_from_process_group_for_comm
+  // allocates its all-gather and reduce-scatter buffers here; collectives whose input lies in
+  // it run zero-copy. The first allocation sets up the pool (collective: every rank allocates
+  // the same sizes in the same order); a full pool, or a transport that does not map every
+  // peer, hands out ordinary memory (the staged path; counted in stats()).
+  bool supportsTensorAlloc(c10::DeviceIndex deviceIdx) override { return true; }
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+
   // One-sided collectives.
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
@@ -151,6 +159,10 @@ class OdcBackend final : public c10d::Backend {
                                      std::vector<at::Tensor>& inputs, bool async_op,
                                      const c10d::ReduceOp* op, const char* api);
   Channel& channel(const c10::Device& device);
+  // Where every rank's input of this rank's collective lies, when its input is registered
+  // memory (false: it is not; the staged path).
+  bool registered_inputs(Channel& ch, bool ag, const at::Tensor& in, const at::Tensor& out,
+                         size_t per_rank, std::vector<const char*>* in_at, RegisteredId* id) const;
   ReduceSpec reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op, const char* api,
                          std::vector<at::Tensor>& factors, RedOp* red_op);
   uint64_t desc(OpKind kind, const at::Tensor& t, uint64_t bytes, RedOp op = RedOp::Sum,

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "options.hpp"
+#include "pool.hpp"
 #include "protocol.hpp"
 #include "transport.hpp"
 
@@ -22,6 +23,9 @@ struct Channel {
   c10::Device device{c10::kCPU};
   void* async_stream = nullptr;  // CUDA: the side stream async ops run on
   bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
+  // Registered memory (allocate_tensor), made at its first use; shared with the tensors'
+  // deleters.
+  std::shared_ptr<RegisteredPool> pool;
 };
 
 // Sets up `device`'s transport for a group (collective over the group: every rank calls it

@@ -35,15 +35,30 @@ size_t dtype_size(DType d) {
 
 uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes, int red_op, int root) {
   constexpr uint64_t kBytesMask = (uint64_t{1} << 40) - 1;  // 1 TiB per rank or pair
-  return (uint64_t{1} << 63) | (static_cast<uint64_t>(kind) & 7) << 60 |
-         (static_cast<uint64_t>(red_op) & 15) << 56 |
+  return (uint64_t{1} << 63) | (static_cast<uint64_t>(kind) & 15) << 59 |
+         (static_cast<uint64_t>(red_op) & 7) << 56 |
          (static_cast<uint64_t>(scalar_type) & 255) << 48 |
          (static_cast<uint64_t>(root) & 255) << 40 | (bytes & kBytesMask);
 }
 
+const char* kind_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::AllGather: return "all_gather";
+    case OpKind::ReduceScatter: return "reduce_scatter";
+    case OpKind::AllReduce: return "all_reduce";
+    case OpKind::Broadcast: return "broadcast";
+    case OpKind::AllToAll: return "all_to_all";
+    case OpKind::Scatter: return "scatter";
+    case OpKind::Gather: return "gather";
+    case OpKind::AllGatherRegistered: return "all_gather (registered memory)";
+    case OpKind::ReduceScatterRegistered: return "reduce_scatter (registered memory)";
+  }
+  return "unknown collective";
+}
+
 OpDescFields decode_op_desc(uint64_t desc) {
-  return {static_cast<OpKind>((desc >> 60) & 7), static_cast<int>((desc >> 48) & 255),
-          desc & ((uint64_t{1} << 40) - 1), static_cast<int>((desc >> 56) & 15),
+  return {static_cast<OpKind>((desc >> 59) & 15), static_cast<int>((desc >> 48) & 255),
+          desc & ((uint64_t{1} << 40) - 1), static_cast<int>((desc >> 56) & 7),
           static_cast<int>((desc >> 40) & 255)};
 }
 

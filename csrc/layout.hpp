@@ -18,12 +18,16 @@ size_t dtype_size(DType d);
 
 // A collective's descriptor: one 64-bit word that every rank of the group computes for
 // its own call and checks against its peers'. 0 means "not checked" (ODC_MATCH_CHECK=0).
-//   bit 63: set (a descriptor, never a stale zero)   bits 60-62: kind
-//   bits 56-59: reduce op (1 + RedOp; 0: none)       bits 48-55: element type (c10 ScalarType)
+//   bit 63: set (a descriptor, never a stale zero)   bits 59-62: kind
+//   bits 56-58: reduce op (1 + RedOp; 0: none)       bits 48-55: element type (c10 ScalarType)
 //   bits 40-47: root (broadcast, scatter, gather)    bits 0-39: bytes (per rank, or per pair)
+// The *Registered kinds are the zero-copy forms (inputs in registered memory: pool.hpp); a
+// rank that runs one while a peer runs the staged form is another collective to the peer.
 enum class OpKind : int {
-  AllGather = 1, ReduceScatter, AllReduce, Broadcast, AllToAll, Scatter, Gather
+  AllGather = 1, ReduceScatter, AllReduce, Broadcast, AllToAll, Scatter, Gather,
+  AllGatherRegistered, ReduceScatterRegistered
 };
+const char* kind_name(OpKind kind);  // "all_gather", "all_gather (registered memory)"
 uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes, int red_op, int root = 0);
 struct OpDescFields {
   OpKind kind;
@@ -33,6 +37,22 @@ struct OpDescFields {
   int root;
 };
 OpDescFields decode_op_desc(uint64_t desc);
+
+// The second word stored with a registered collective's descriptor (where the chunk number
+// goes for ring collectives): where the buffer its peers read lies in the rank's registered
+// pool, and the collective's number on its ring. Ranks compare it like the descriptor.
+struct RegisteredId {
+  uint64_t offset = 0;    // bytes into the pool of the input (in place: of the whole output)
+  bool in_place = false;  // all-gather whose input is this rank's part of the output
+  uint64_t number = 0;    // 1, 2, ... (low 20 bits kept)
+  uint64_t encode() const {
+    return (number & 0xFFFFF) << 44 | (in_place ? uint64_t{1} << 43 : 0) |
+           (offset & ((uint64_t{1} << 43) - 1));
+  }
+  static RegisteredId decode(uint64_t w) {
+    return {w & ((uint64_t{1} << 43) - 1), ((w >> 43) & 1) != 0, w >> 44};
+  }
+};
 
 // Every collective a rank starts is *announced* to each peer before its first transfer:
 // one word in the peer's window, slot [announcer][number % kAnnounceSlots], holding the
@@ -46,7 +66,7 @@ OpDescFields decode_op_desc(uint64_t desc);
 constexpr int kAnnounceSlots = 16;
 constexpr uint64_t kAnnounceSeqMask = (uint64_t{1} << 40) - 1;
 inline uint64_t announce_word(uint64_t desc, uint64_t number) {
-  constexpr uint64_t kKindBits = uint64_t{15} << 60;  // bit 63 (a descriptor) and the kind
+  constexpr uint64_t kKindBits = uint64_t{31} << 59;  // bit 63 (a descriptor) and the kind
   return (desc & kKindBits) | (number & kAnnounceSeqMask);
 }
 #ifdef __CUDACC__
@@ -83,8 +103,13 @@ struct ReduceSpec {
 // Byte layout of a window; identical on every rank of a group.
 struct WindowLayout {
   static constexpr size_t kFlagStride = 128;  // one counter per 128-byte line
-  enum Flag : int { AgReady = 0, AgAck, RsReady, RsFree, kNumFlagArrays };
-  enum Desc : int { AgDesc = 0, RsDesc, kNumDescArrays };
+  // Ring collectives: AgReady/AgAck (AG ring), RsReady/RsFree (landing rings). Registered
+  // (zero-copy) collectives: RegReady[ring][peer] (the peer's input is ready for its n-th
+  // registered collective on that ring) and RegDone[ring][peer] (the peer has read this
+  // rank's input of it); ring 0 all-gathers, ring 1 reduce-scatters.
+  enum Flag : int { AgReady = 0, AgAck, RsReady, RsFree, RegAgReady, RegAgDone, RegRsReady,
+                    RegRsDone, kNumFlagArrays };
+  enum Desc : int { AgDesc = 0, RsDesc, RegAgDesc, RegRsDesc, kNumDescArrays };
 
   WindowLayout() = default;
   WindowLayout(int world, size_t chunk_bytes, int slots);
@@ -94,7 +119,7 @@ struct WindowLayout {
   int slots = 0;
   size_t flags_bytes = 0;  // the counters come first
   // Offset of the descriptors: per kind, peer and ring slot, 16 bytes: the descriptor and
-  // the sequence number of the chunk it came with.
+  // the sequence number of the chunk it came with (registered collectives: registered_id).
   static constexpr size_t kDescBytes = 16;
   size_t descs = 0;
   size_t announce = 0;  // offset of the announce slots: [world][kAnnounceSlots] words

@@ -110,7 +110,7 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
     for (int i = 1; i < world_; ++i) {
       const int p = (rank_ + i) % world_;
       const uint64_t gp = ag_pub_[p] + k;
-      DescCheck check{{desc_in(rank_, WindowLayout::AgDesc, p, gp)}, desc};
+      DescCheck check{{desc_in(rank_, WindowLayout::AgDesc, p, gp)}, desc, gp};
       t_->wait(i, {flag_in(rank_, WindowLayout::AgReady, p)}, {p}, gp + 1,
                {"all_gather", "data from", op_seq}, desc ? &check : nullptr);
       if (len) {
@@ -160,7 +160,7 @@ void Protocol::broadcast(void* buf, size_t bytes, int root, uint64_t op_seq, uin
       }
       t_->signal(0, ready_at_readers, g + 1);
     } else {
-      DescCheck check{{desc_in(rank_, WindowLayout::AgDesc, root, g)}, desc};
+      DescCheck check{{desc_in(rank_, WindowLayout::AgDesc, root, g)}, desc, g};
       t_->wait(lane, {flag_in(rank_, WindowLayout::AgReady, root)}, {root}, g + 1,
                {"broadcast", "data from", op_seq}, desc ? &check : nullptr);
       if (len) t_->copy(lane, b + off, slot, len);
@@ -213,7 +213,7 @@ void Protocol::reduce_scatter(void* out, const void* in, size_t out_numel, size_
       const uint64_t target = rs_landed_[peers[first]] + k + 1;
       std::vector<int> group;
       std::vector<const uint64_t*> landed;
-      DescCheck check{{}, desc};
+      DescCheck check{{}, desc, target - 1};
       for (size_t j = first; j < peers.size() && rs_landed_[peers[j]] + k + 1 == target; ++j) {
         group.push_back(peers[j]);
         landed.push_back(flag_in(rank_, WindowLayout::RsReady, peers[j]));
@@ -281,7 +281,7 @@ void Protocol::exchange(void* out, const void* in, const Exchange& x, uint64_t o
       const size_t off = k * C;
       const size_t len = std::min(C, x.recv[p] - std::min(off, x.recv[p]));
       const uint64_t desc = desc_of(x.recv[p]);
-      DescCheck check{{desc_in(rank_, WindowLayout::RsDesc, p, g)}, desc};
+      DescCheck check{{desc_in(rank_, WindowLayout::RsDesc, p, g)}, desc, g};
       t_->wait(i, {flag_in(rank_, WindowLayout::RsReady, p)}, {p}, g + 1, {op, "data from", op_seq},
                desc ? &check : nullptr);
       if (len) t_->copy(i, out_b + x.recv_off[p] + off, t_->window(rank_) + layout_.rs_slot(p, g), len);
@@ -294,6 +294,90 @@ void Protocol::exchange(void* out, const void* in, const Exchange& x, uint64_t o
   }
   const size_t own = std::min(x.send[rank_], x.recv[rank_]);
   if (own) t_->copy(0, out_b + x.recv_off[rank_], in_b + x.send_off[rank_], own);
+}
+
+// ---- Registered (zero-copy) collectives: the rank's input is read where it lies.
+
+namespace {
+constexpr WindowLayout::Flag kRegReady[2] = {WindowLayout::RegAgReady, WindowLayout::RegRsReady};
+constexpr WindowLayout::Flag kRegDone[2] = {WindowLayout::RegAgDone, WindowLayout::RegRsDone};
+constexpr WindowLayout::Desc kRegDesc[2] = {WindowLayout::RegAgDesc, WindowLayout::RegRsDesc};
+}  // namespace
+
+void Protocol::registered_ready(int ring, RegisteredId id, uint64_t desc) {
+  std::vector<uint64_t*> ready, descs;
+  for (int p : peers_but_me()) {
+    ready.push_back(flag_in(p, kRegReady[ring], rank_));
+    descs.push_back(desc_in(p, kRegDesc[ring], rank_, id.number - 1));
+  }
+  if (desc) store_desc(0, descs, desc, id.encode());
+  t_->signal(0, ready, id.number);
+}
+
+void Protocol::registered_wait_ready(int ring, int lane, const std::vector<int>& peers,
+                                     RegisteredId id, uint64_t desc, const WaitSite& site) {
+  DescCheck check{{}, desc, id.encode()};  // every peer's input lies where this rank's does
+  std::vector<const uint64_t*> ready;
+  for (int p : peers) {
+    ready.push_back(flag_in(rank_, kRegReady[ring], p));
+    check.descs.push_back(desc_in(rank_, kRegDesc[ring], p, id.number - 1));
+  }
+  t_->wait(lane, ready, peers, id.number, site, desc ? &check : nullptr);
+}
+
+void Protocol::registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
+                                 const WaitSite& site) {
+  std::vector<const uint64_t*> done;
+  for (int p : peers) done.push_back(flag_in(rank_, kRegDone[ring], p));
+  t_->wait(0, done, peers, number, site);
+}
+
+void Protocol::all_gather_registered(void* out, const std::vector<const char*>& in_at,
+                                     size_t shard_bytes, RegisteredId id, uint64_t op_seq,
+                                     uint64_t desc) {
+  char* out_b = static_cast<char*>(out);
+  char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
+  const bool copy_own = my_part != in_at[rank_] && shard_bytes > 0;
+  announce(desc);
+  if (world_ > 1) {
+    id.number = next_registered(0);
+    registered_ready(0, id, desc);
+    for (int i = 1; i < world_; ++i) {  // each peer's shard on its lane
+      const int p = (rank_ + i) % world_;
+      registered_wait_ready(0, i, {p}, id, desc, {"all_gather", "the input of", op_seq});
+      if (shard_bytes) t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes, in_at[p], shard_bytes);
+      t_->signal(i, {flag_in(p, WindowLayout::RegAgDone, rank_)}, id.number);
+    }
+  }
+  if (copy_own) t_->copy(0, my_part, in_at[rank_], shard_bytes);
+  if (world_ > 1) {
+    registered_finish(0, peers_but_me(), id.number, {"all_gather", "the reads of this rank's input by", op_seq});
+  }
+}
+
+void Protocol::reduce_scatter_registered(void* out, const std::vector<const char*>& in_at,
+                                         size_t out_numel, size_t elem_size,
+                                         const ReduceSpec& spec, RegisteredId id,
+                                         uint64_t op_seq, uint64_t desc) {
+  announce(desc);
+  const size_t part_bytes = out_numel * elem_size;
+  const auto peers = peers_but_me();
+  if (world_ > 1) {
+    id.number = next_registered(1);
+    registered_ready(1, id, desc);
+    registered_wait_ready(1, 0, peers, id, desc, {"reduce_scatter", "the input of", op_seq});
+  }
+  std::vector<const void*> srcs;  // this rank's part of every rank's input, in rank order
+  for (int r = 0; r < world_; ++r) srcs.push_back(in_at[r] + static_cast<size_t>(rank_) * part_bytes);
+  if (out_numel) t_->reduce(0, out, srcs, out_numel, spec);
+  if (world_ > 1) {
+    t_->signal(0, [&] {
+      std::vector<uint64_t*> at;
+      for (int p : peers) at.push_back(flag_in(p, WindowLayout::RegRsDone, rank_));
+      return at;
+    }(), id.number);
+    registered_finish(1, peers, id.number, {"reduce_scatter", "the reads of this rank's input by", op_seq});
+  }
 }
 
 }  // namespace odc

@@ -45,6 +45,19 @@ class Protocol {
   // in holds world * out_numel elements; out holds out_numel.
   void reduce_scatter(void* out, const void* in, size_t out_numel, size_t elem_size,
                       const ReduceSpec& spec, uint64_t op_seq, uint64_t desc = 0);
+  // Zero-copy forms, for inputs in registered memory (pool.hpp): in_at[r] is rank r's input,
+  // mapped here (each rank's at the same place of its pool: `id`, without its number, says
+  // where, and the peers check it). A rank stores "input ready" in each peer's window, reads
+  // the peers' inputs where they lie (all-gather: copies each peer's shard; reduce-scatter:
+  // sums its part of every rank's input, in rank order, as the ring form does), tells each
+  // peer it is done, and completes once every peer is done with its input: as with NCCL, the
+  // input may be reused once the call has completed.
+  void all_gather_registered(void* out, const std::vector<const char*>& in_at,
+                             size_t shard_bytes, RegisteredId id, uint64_t op_seq,
+                             uint64_t desc = 0);
+  void reduce_scatter_registered(void* out, const std::vector<const char*>& in_at,
+                                 size_t out_numel, size_t elem_size, const ReduceSpec& spec,
+                                 RegisteredId id, uint64_t op_seq, uint64_t desc = 0);
   // root's `bytes` of buf to every rank, through root's AG ring (a get from the root).
   void broadcast(void* buf, size_t bytes, int root, uint64_t op_seq, uint64_t desc = 0);
   // Point to point over the landing rings: send[p] bytes at in + send_off[p] to each rank
@@ -85,6 +98,15 @@ class Protocol {
   // Put chunk g of mine into p's landing ring (waiting for the slot), with its descriptor.
   void put_chunk(int lane, int p, uint64_t g, const char* src, size_t len, uint64_t desc,
                  const char* op, uint64_t op_seq);
+  // Registered collectives: the next number on `ring` (0: all-gather, 1: reduce-scatter);
+  // "input ready" (with the descriptor and id) to every peer; waits for the peers' (each on
+  // its lane with one_lane false, else together on lane 0) and for their "done".
+  uint64_t next_registered(int ring) { return ++registered_[ring]; }
+  void registered_ready(int ring, RegisteredId id, uint64_t desc);
+  void registered_wait_ready(int ring, int lane, const std::vector<int>& peers, RegisteredId id,
+                             uint64_t desc, const WaitSite& site);
+  void registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
+                         const WaitSite& site);
 
   int rank_;
   int world_;
@@ -93,6 +115,7 @@ class Protocol {
   std::vector<uint64_t> ag_pub_;     // per owner: chunks it published into its AG ring
   std::vector<uint64_t> rs_sent_;    // per peer: chunks this rank put into its landing ring
   std::vector<uint64_t> rs_landed_;  // per peer: chunks it put into this rank's landing ring
+  uint64_t registered_[2] = {0, 0};  // registered all-gathers and reduce-scatters issued
   uint64_t collectives_ = 0;          // collectives begun on this channel
   bool unannounced_ = false;          // the one in progress has not announced itself yet
 };

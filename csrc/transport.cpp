@@ -40,11 +40,7 @@ std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint6
 std::string describe_desc(uint64_t desc) {
   if (desc == 0) return "nothing (no descriptor was stored: a different collective)";
   const OpDescFields f = decode_op_desc(desc);
-  static const char* const kKinds[] = {"unknown collective", "all_gather", "reduce_scatter",
-                                       "all_reduce", "broadcast", "all_to_all", "scatter",
-                                       "gather"};
-  const int k = static_cast<int>(f.kind);
-  const char* kind = k >= 1 && k <= 7 ? kKinds[k] : kKinds[0];
+  const char* kind = kind_name(f.kind);
   const std::string type =
       f.scalar_type < static_cast<int>(c10::ScalarType::NumOptions)
           ? std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(f.scalar_type)).first)
@@ -64,13 +60,7 @@ std::string describe_desc(uint64_t desc) {
 
 namespace {
 // "reduce_scatter": an announcement's collective (protocol.hpp, announce_word).
-const char* collective_name(uint64_t word) {
-  static const char* const kKinds[] = {"unknown collective", "all_gather", "reduce_scatter",
-                                       "all_reduce", "broadcast", "all_to_all", "scatter",
-                                       "gather"};
-  const int k = static_cast<int>(decode_op_desc(word).kind);
-  return k >= 1 && k <= 7 ? kKinds[k] : kKinds[0];
-}
+const char* collective_name(uint64_t word) { return kind_name(decode_op_desc(word).kind); }
 }  // namespace
 
 std::string describe_announced(const WaitSite& site, int rank, int peer, uint64_t mine,
@@ -86,6 +76,24 @@ std::string describe_announced(const WaitSite& site, int rank, int peer, uint64_
 std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t mine,
                               uint64_t theirs, uint64_t chunk, uint64_t their_chunk) {
   const char* end = ". The group cannot be used any more.";
+  const OpKind kind = decode_op_desc(mine).kind;
+  if (theirs == mine &&
+      (kind == OpKind::AllGatherRegistered || kind == OpKind::ReduceScatterRegistered)) {
+    const RegisteredId a = RegisteredId::decode(chunk), b = RegisteredId::decode(their_chunk);
+    if (a.number != b.number) {
+      return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer, " and this rank (rank ",
+                 rank, ") are no longer in step: this rank runs its registered collective #",
+                 a.number, ", rank ", peer, " its #", b.number, end);
+    }
+    return cat("odc: ", site.op, " #", site.op_seq, ": the registered buffers of rank ", peer,
+               " and this rank (rank ", rank, ") are not at the same place: this rank's ",
+               a.in_place ? "output (in place)" : "input", " starts at byte ", a.offset,
+               " of its registered pool, rank ", peer, "'s ",
+               b.in_place ? "output (in place)" : "input", " at byte ", b.offset,
+               ". Zero-copy collectives read their peers' buffers at the same place in the peer's "
+               "pool: every rank must allocate them (allocate_tensor) with the same sizes in the "
+               "same order, and free them in the same order", end);
+  }
   if (theirs == mine) {  // the same collective, but not the same place in the sequence
     return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer, " and this rank (rank ",
                rank, ") are no longer in step: this rank waits for chunk ", chunk, " of rank ",

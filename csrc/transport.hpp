@@ -27,11 +27,13 @@ struct WaitSite {
 
 // What a wait also checks once its counters are reached: descs[i] (in this rank's window,
 // stored by peer i with the data that counter announces) must hold `expected`, this
-// rank's own descriptor, and then the number of the chunk waited for (the wait's target
-// - 1). A mismatch fails the group with both sides named.
+// rank's own descriptor, and then `id`: the number of the chunk waited for (ring
+// collectives) or a RegisteredId (registered ones). A mismatch fails the group with both
+// sides named.
 struct DescCheck {
   std::vector<const uint64_t*> descs;  // parallel to the wait's counters
   uint64_t expected = 0;
+  uint64_t id = 0;
 };
 
 // A transport moves bytes and counters between windows. Work is issued on
@@ -77,6 +79,9 @@ class Transport {
   virtual void fill_zero(int lane, void* dst, size_t bytes) { unsupported("decoupled mode"); }
   // Whether accumulate() reaches every peer (NVSHMEM has no float atomics for routed peers).
   virtual bool accumulates_everywhere() const { return true; }
+  // Whether every peer's arenas are mapped here (loads and copies reach them directly):
+  // registered memory (pool.hpp) needs it.
+  virtual bool maps_every_peer() const { return true; }
 
  protected:
   [[noreturn]] static void unsupported(const char* what);
@@ -87,8 +92,8 @@ std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint6
                           std::chrono::milliseconds timeout);
 // "all_gather of 32 bytes per rank (float32)", from an op_desc() word.
 std::string describe_desc(uint64_t desc);
-// The error of a failed DescCheck: `rank` expected descriptor `mine` with chunk `chunk`,
-// `peer` stored `theirs` with chunk `their_chunk`.
+// The error of a failed DescCheck: `rank` expected descriptor `mine` with id `chunk`,
+// `peer` stored `theirs` with id `their_chunk` (chunk numbers, or RegisteredIds).
 std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t mine,
                               uint64_t theirs, uint64_t chunk, uint64_t their_chunk);
 // The error of a watched wait (PeerWatch): `peer` announced `theirs` under the number of

@@ -247,9 +247,9 @@ void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
     if (check) {
       const uint64_t theirs = __atomic_load_n(check->descs[i], __ATOMIC_RELAXED);
       const uint64_t chunk = __atomic_load_n(check->descs[i] + 1, __ATOMIC_RELAXED);
-      if (theirs != check->expected || chunk != target - 1) {
+      if (theirs != check->expected || chunk != check->id) {
         throw CommError(describe_mismatch(site, a_.rank, peers[i], check->expected, theirs,
-                                          target - 1, chunk));
+                                          check->id, chunk));
       }
     }
   }

@@ -304,7 +304,7 @@ void CudaIpcTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
                             const std::vector<int>& peers, uint64_t target,
                             const WaitSite& site, const DescCheck* check) {
   Step s{kStepWait, lane, static_cast<int>(ptrs_.size()), static_cast<int>(flags.size()),
-         target, check ? check->expected : 0, nullptr, nullptr, {}, site};
+         target, check ? check->expected : 0, check ? check->id : 0, nullptr, nullptr, {}, site};
   ptrs_.insert(ptrs_.end(), flags.begin(), flags.end());
   peers_.insert(peers_.end(), peers.begin(), peers.end());
   if (check) {  // the descriptors follow the counters (peers_ stays parallel to ptrs_)
@@ -316,31 +316,31 @@ void CudaIpcTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
 
 void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) {
   Step s{kStepSignal, lane, static_cast<int>(ptrs_.size()), static_cast<int>(flags.size()),
-         value, 0, nullptr, nullptr, {}, {}};
+         value, 0, 0, nullptr, nullptr, {}, {}};
   ptrs_.insert(ptrs_.end(), flags.begin(), flags.end());
   peers_.resize(ptrs_.size(), -1);
   steps_.push_back(s);
 }
 
 void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) {
-  steps_.push_back(Step{kStepCopy, lane, 0, 0, bytes, 0, dst, src, {}, {}});
+  steps_.push_back(Step{kStepCopy, lane, 0, 0, bytes, 0, 0, dst, src, {}, {}});
 }
 
 void CudaIpcTransport::accumulate(int lane, float* dst, const void* src, size_t numel,
                                   DType dtype) {
   ReduceSpec spec;
   spec.dtype = dtype;
-  steps_.push_back(Step{kStepAccumulate, lane, 0, 0, numel, 0, dst, src, spec, {}});
+  steps_.push_back(Step{kStepAccumulate, lane, 0, 0, numel, 0, 0, dst, src, spec, {}});
 }
 
 void CudaIpcTransport::fill_zero(int lane, void* dst, size_t bytes) {
-  steps_.push_back(Step{kStepZero, lane, 0, 0, bytes, 0, dst, nullptr, {}, {}});
+  steps_.push_back(Step{kStepZero, lane, 0, 0, bytes, 0, 0, dst, nullptr, {}, {}});
 }
 
 void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                               size_t numel, const ReduceSpec& spec) {
   Step s{kStepReduce, lane, static_cast<int>(ptrs_.size()), static_cast<int>(srcs.size()),
-         numel, 0, dst, nullptr, spec, {}};
+         numel, 0, 0, dst, nullptr, spec, {}};
   ptrs_.insert(ptrs_.end(), srcs.begin(), srcs.end());
   peers_.resize(ptrs_.size(), -1);
   steps_.push_back(s);
@@ -417,6 +417,7 @@ void CudaIpcTransport::run_fused() {
       f.scale_ptr = s.spec.scale_ptr;
       f.value = s.value;
       f.desc = s.desc;
+      f.desc_id = s.desc_id;
       f.dst = s.dst;
       f.src = s.src;
       f.what = s.site.what;
@@ -542,6 +543,7 @@ void CudaIpcTransport::launch_flags(int lane, const Step* wait) {
     }
     op.wait_target = wait->value;
     op.desc_expected = wait->desc;
+    op.desc_id = wait->desc_id;
     op.op_seq = wait->site.op_seq;
     op.op = wait->site.op;
     op.what = wait->site.what;

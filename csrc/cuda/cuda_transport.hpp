@@ -59,6 +59,7 @@ class CudaIpcTransport final : public Transport {
   void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) override;
   void fill_zero(int lane, void* dst, size_t bytes) override;
   bool accumulates_everywhere() const override { return !memory_->any_routed(); }
+  bool maps_every_peer() const override { return !memory_->any_routed(); }
   void end_op() override;
   std::string async_error() override;
 
@@ -71,6 +72,7 @@ class CudaIpcTransport final : public Transport {
     int first, n;
     uint64_t value;  // wait target, signal value, copy bytes, reduce numel
     uint64_t desc;   // wait: the descriptor the peers must have stored (0: unchecked)
+    uint64_t desc_id;  // wait: and the id stored with it (DescCheck::id)
     void* dst;
     const void* src;
     ReduceSpec spec;

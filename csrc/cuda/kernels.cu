@@ -77,10 +77,10 @@ __device__ bool wait_counter(const uint64_t* flag, uint64_t target, uint64_t sta
   return true;
 }
 
-// After wait_counter saw the peer's counter reach chunk + 1 (the same thread: its acquire
-// orders these reads after the peer's stores): false, with the mismatch recorded in err,
-// when the descriptor the peer stored with it differs from this rank's or came with
-// another chunk.
+// After wait_counter saw the peer's counter reached (the same thread: its acquire orders
+// these reads after the peer's stores): false, with the mismatch recorded in err, when the
+// descriptor the peer stored with it differs from this rank's or came with another id (the
+// chunk's number, or a registered collective's RegisteredId).
 __device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
                            unsigned long long chunk, DeviceError* err_ptr, int peer,
                            unsigned long long op_seq, const char* op) {
@@ -108,7 +108,7 @@ __global__ void flag_kernel(FlagOp op) {
                       op.op_seq, op.op, op.what, PeerWatch{op.watch_slots, op.watch_word})) {
       return;
     }
-    if (op.desc_expected && !check_desc(op.desc[i], op.desc_expected, op.wait_target - 1, op.err,
+    if (op.desc_expected && !check_desc(op.desc[i], op.desc_expected, op.desc_id, op.err,
                                         op.wait_peer[i], op.op_seq, op.op)) {
       return;
     }
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
                             op.timeout_ns, op.err, op.peers[k], op.op_seq, op.op, s.what,
                             PeerWatch{op.watch_slots, op.watch_word}) ||
               (s.desc && !check_desc(static_cast<const uint64_t*>(op.ptrs[k + s.n]), s.desc,
-                                     s.value - 1, op.err, op.peers[k], op.op_seq, op.op))) {
+                                     s.desc_id, op.err, op.peers[k], op.op_seq, op.op))) {
             failed = 1;
           }
         }

@@ -32,7 +32,7 @@ constexpr int kSignalBatches = 4;  // e.g. the announcement, descriptors, chunk 
 // Store each batch of signals in order (batch b's value into its counters: announcing
 // the work that precedes this kernel on its stream), then wait until every wait counter
 // is >= wait_target and, with desc_expected != 0, check that the descriptor stored with
-// it equals desc_expected and names chunk wait_target - 1; on a timeout or a mismatch
+// it equals desc_expected and its id desc_id (DescCheck); on a timeout or a mismatch
 // record it in `err` and return.
 struct FlagOp {
   uint64_t* signal[kSignalBatches][kMaxPeers];
@@ -44,6 +44,7 @@ struct FlagOp {
   unsigned long long signal_value[kSignalBatches];
   unsigned long long wait_target;
   unsigned long long desc_expected;
+  unsigned long long desc_id;
   unsigned long long timeout_ns;
   unsigned long long op_seq;
   const char* op;
@@ -78,7 +79,8 @@ struct FusedStep {
   float scale;               // reduce
   unsigned long long value;  // wait target, signal value, copy bytes or reduce numel
   unsigned long long desc;   // wait: the descriptor each awaited peer stored (0: unchecked),
-                             // at ptrs[first + n + i], with the chunk number value - 1
+                             // at ptrs[first + n + i], with the id desc_id (DescCheck)
+  unsigned long long desc_id;
   void* dst;
   const void* src;
   const float* scale_ptr;    // reduce: tensor factor (device, fp32) or null

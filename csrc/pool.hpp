@@ -1,0 +1,75 @@
+// Layer 4, registered memory: the pool behind the backend's allocate_tensor. Depends on the
+// transport interface (transport.hpp: the pool is one of its arenas, mapped by every peer).
+//
+// A collective whose input lies in registered memory runs zero-copy (Protocol::
+// *_registered): its peers read the input where it lies, so nothing is staged through the
+// window's rings. They find it at the same place of the owner's pool as their own: the pool
+// hands out the same offsets on every rank as long as the ranks allocate and free the same
+// sizes in the same order (what FSDP2 does), and the collectives check that they did.
+//
+// Offsets depend on that order alone, never on timing. Reuse is safe on the GPU because a
+// registered collective completes only once its peers are done reading, and memory freed
+// on one stream is reused on another only after the work queued on the first at the free
+// (StreamOrder: the caching allocator's rule, which FSDP2 relies on).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace odc {
+
+class RegisteredPool {
+ public:
+  // How allocations are ordered on streams (CUDA; empty functions: the CPU, nothing to order).
+  struct StreamOrder {
+    std::function<void*()> current;                               // the allocating stream
+    std::function<std::shared_ptr<void>(void* stream)> record;    // an event of the stream now
+    std::function<bool(const std::shared_ptr<void>& event)> done;  // has it completed?
+    std::function<void(void* stream, const std::shared_ptr<void>& event)> wait;
+  };
+  static constexpr size_t kAlign = 256;
+
+  // bases: every rank's pool, mapped here (the transport's arena).
+  RegisteredPool(std::vector<char*> bases, size_t bytes, int rank, StreamOrder order = {});
+
+  // The offset of a new block of `bytes` (the lowest that fits), or SIZE_MAX when none does.
+  size_t allocate(size_t bytes);
+  void free(size_t offset);
+
+  char* base(int rank) const { return bases_[rank]; }
+  size_t bytes() const { return bytes_; }
+  // Where [p, p + bytes) lies in this rank's pool (false: outside it).
+  bool find(const void* p, size_t bytes, size_t* offset) const;
+  size_t live_bytes() const;
+
+ private:
+  struct Hazard {  // work queued on `stream` when part of a range was freed
+    void* stream;
+    std::shared_ptr<void> event;
+  };
+  struct Range {
+    size_t size;
+    std::vector<Hazard> hazards;
+  };
+  struct Block {
+    size_t size;
+    void* stream;
+  };
+  void prune(std::vector<Hazard>& hazards);
+
+  std::vector<char*> bases_;
+  size_t bytes_;
+  int rank_;
+  StreamOrder order_;
+  mutable std::mutex mu_;               // tensors are freed on any thread
+  std::map<size_t, Range> free_;        // by offset, coalesced
+  std::map<size_t, Block> allocated_;   // by offset
+  size_t live_ = 0;
+};
+
+}  // namespace odc

@@ -133,7 +133,8 @@ def _knob_values() -> dict:
         return {"chunk_bytes": 0, "reduce_blocks": 0, "small_op_bytes": -1, "stream_memops": False}
 
 
-def odc_engine(op: str, nbytes: int, world: int, elem_bytes: int = 2, knobs: dict | None = None) -> dict:
+def odc_engine(op: str, nbytes: int, world: int, elem_bytes: int = 2, knobs: dict | None = None,
+               registered: bool = False) -> dict:
     """Which engine odc's CUDA IPC transport serves ``op`` of ``nbytes`` (total) with, and the
     SMs it holds per rank: derived from csrc (see SMS_SOURCE), not measured.
 
@@ -147,12 +148,15 @@ def odc_engine(op: str, nbytes: int, world: int, elem_bytes: int = 2, knobs: dic
       reduce-scatter adds the owner's reduce kernel, min(ODC_REDUCE_BLOCKS (16),
       ceil(elements per chunk / 16384)) blocks x 512 threads on lane 0 (whose flag kernels
       run before it on the same stream).
+    * registered (zero-copy) collectives: the same two engines, on one step per peer (a
+      copy of the whole shard) or one reduce of the whole shard: no ring chunks.
     """
     k = knobs if knobs is not None else _knob_values()
     small = (1 << 20) if k["small_op_bytes"] < 0 else k["small_op_bytes"]
     chunk = k["chunk_bytes"] or (32 << 20)
     blocks = k["reduce_blocks"] or 16
-    step = min(nbytes // world, chunk)  # bytes of one copy step (one ring chunk of one shard)
+    # bytes of one copy step: one ring chunk of one shard (staged), the whole shard (registered)
+    step = nbytes // world if registered else min(nbytes // world, chunk)
     fused = small > 0 and world <= 8 and step <= small
     if op == "reduce_scatter":
         fused = fused and (step // elem_bytes) * 4 <= small
@@ -167,6 +171,9 @@ def odc_engine(op: str, nbytes: int, world: int, elem_bytes: int = 2, knobs: dic
     per_block = 512 * 8 * 4  # launch_reduce: threads x (16 B / 2 B) x kUnroll elements per block
     grid = max(1, min(blocks, -(-(step // elem_bytes) // per_block)))
     others = max(0, flag - 1)
+    if registered:  # the reduce reads the peers' inputs in place, on lane 0 after its waits
+        return {"engine": "copy-engine", "sms": grid,
+                "detail": f"reduce kernel {grid} blocks x 512 threads reading every rank's input in place"}
     return {"engine": "copy-engine", "sms": grid + others,
             "detail": f"cudaMemcpyAsync puts + reduce kernel {grid} blocks x 512 threads"
                       + (f" + <= {others} one-block flag kernels on the other lanes" if others else "")}
@@ -299,7 +306,9 @@ class Bench:
                     os.environ.pop("ODC_TRANSPORT")
                 else:
                     os.environ["ODC_TRANSPORT"] = before
-        self.order = [b for b in ("odc", "odc_nvshmem", self.ref) if b in self.groups]
+        if use_odc and args.registered:  # the odc group again, its buffers from allocate_tensor
+            self.groups["odc_registered"] = dist.group.WORLD
+        self.order = [b for b in ("odc", "odc_registered", "odc_nvshmem", self.ref) if b in self.groups]
         self.rows: list[dict] = []
         self.errors: list[str] = []
         self.dtype = torch.bfloat16
@@ -345,7 +354,10 @@ class Bench:
                                self.ref: ("odc group created under ODC_MATCH_CHECK=0" if self.ref == "odc_nocheck"
                                           else f"new_group(backend={self.ref!r})"),
                                **({"odc_nvshmem": "new_group(backend='cpu:gloo,cuda:odc') created under "
-                                                  "ODC_TRANSPORT=nvshmem"} if "odc_nvshmem" in self.groups else {})},
+                                                  "ODC_TRANSPORT=nvshmem"} if "odc_nvshmem" in self.groups else {}),
+                               **({"odc_registered": "the odc group, its buffers from its backend's "
+                                                     "allocate_tensor (registered memory: zero-copy)"}
+                                  if "odc_registered" in self.groups else {})},
             "dtype": "bf16",
             "all_gather_inplace": True,
             "reduce_scatter_op": "SUM",
@@ -427,6 +439,15 @@ class Bench:
         return 20 if nbytes <= 8 * MiB else 10 if nbytes <= 64 * MiB else 5
 
     # ---------------------------------------------------------------- collectives
+    def buffer(self, backend, like):
+        """``like`` itself, or for odc_registered a copy of it in registered memory (the odc
+        backend's allocate_tensor, as FSDP2 allocates its buffers when asked to)."""
+        if backend != "odc_registered":
+            return like
+        b = self.groups[backend]._get_backend(self.device)
+        t = b.allocate_tensor(like.numel(), dtype=like.dtype, device=self.device)
+        return t.copy_(like)
+
     def ag(self, backend, out, inp):
         self._gather(out, inp, group=self.groups[backend])
 
@@ -454,8 +475,10 @@ class Bench:
             out.fill_(float("nan"))  # poison: stale data from another backend cannot pass
             out[r * shard:(r + 1) * shard].copy_(expected[r * shard:(r + 1) * shard])
             try:
-                self.ag(b, out, out[r * shard:(r + 1) * shard])
-                got[b] = out.clone()
+                o = self.buffer(b, out)
+                self.ag(b, o, o[r * shard:(r + 1) * shard])
+                got[b] = o.clone()
+                del o
             except Exception:  # noqa: BLE001
                 res[f"ag_error_{b}"] = traceback.format_exc(limit=3)
         del out
@@ -479,7 +502,7 @@ class Bench:
             for b in self.order:
                 o = torch.full((shard,), float("nan"), dtype=self.dtype, device=self.device)
                 try:
-                    self.rs(b, o, mine, op)
+                    self.rs(b, o, self.buffer(b, mine), op)
                     got[b] = o
                 except Exception:  # noqa: BLE001
                     res[f"rs_{name}_error_{b}"] = traceback.format_exc(limit=3)
@@ -540,11 +563,13 @@ class Bench:
         if op == "all_gather":
             out = torch.randn(numel, device=self.device, dtype=torch.float32).to(self.dtype)
             inp = out[r * shard:(r + 1) * shard]
-            fns = {b: (lambda b=b: self.ag(b, out, inp)) for b in self.order}
+            outs = {b: self.buffer(b, out) for b in self.order}
+            fns = {b: (lambda b=b: self.ag(b, outs[b], outs[b][r * shard:(r + 1) * shard])) for b in self.order}
         else:
             inp = torch.randn(numel, device=self.device, dtype=torch.float32).to(self.dtype)
             out = torch.empty(shard, device=self.device, dtype=self.dtype)
-            fns = {b: (lambda b=b: self.rs(b, out, inp)) for b in self.order}
+            inps = {b: self.buffer(b, inp) for b in self.order}
+            fns = {b: (lambda b=b: self.rs(b, out, inps[b])) for b in self.order}
         backends = [b for b in self.order if b not in skip]
         floors = self.floor_fns(op, nbytes, inp) if self.floor else {}
         for name, (fn, _) in floors.items():  # timed like a backend, interleaved with them
@@ -576,8 +601,9 @@ class Bench:
             }
             if b in floors:
                 row["engine"] = floors[b][1]
-            elif self.cuda and b in ("odc", "odc_nocheck"):
-                row.update({f"odc_{key}": v for key, v in odc_engine(op, nbytes, n).items()})
+            elif self.cuda and b in ("odc", "odc_nocheck", "odc_registered"):
+                row.update({f"odc_{key}": v for key, v in
+                            odc_engine(op, nbytes, n, registered=b == "odc_registered").items()})
             rows.append(row)
         cands = [row for row in rows if row["backend"] in floors]
         if cands:  # the floor: the faster of the two engines (by median)
@@ -718,7 +744,11 @@ class Bench:
             s[f"busbw_ratio_{b}_vs_{ref}"] = ratio
             s[f"min_busbw_ratio_ge_4MiB{suffix}"] = min4
             s[f"latency_ratio_{b}_vs_{ref}_1MiB"] = lat1
-        if any(k[1] == "odc" for k in by):  # odc per size: latency, host us, engine / SMs, floor
+        # odc per size (latency, host us, engine / SMs, floor): the zero-copy path where it was
+        # measured (odc_staged then holds the staged path's), else the staged one
+        primary = "odc_registered" if any(k[1] == "odc_registered" for k in by) else "odc"
+        s["odc_path"] = "registered (zero-copy)" if primary == "odc_registered" else "staged"
+        if any(k[1] == primary for k in by):
             has_floor = any(k[1] == "floor" for k in by)
             keys = ["latency_us", "host_us"] + (["engine", "sms"] if self.cuda else []) + (
                 ["floor_us", "floor_engine", "ratio_to_floor"] if has_floor else [])
@@ -726,7 +756,7 @@ class Bench:
                 s[key] = {op: {} for op in OPS}
             for op in OPS:
                 for sz in sorted({k[2] for k in by if k[0] == op}):
-                    label, o, f = size_label(sz), by.get((op, "odc", sz)), by.get((op, "floor", sz))
+                    label, o, f = size_label(sz), by.get((op, primary, sz)), by.get((op, "floor", sz))
                     if f:
                         s["floor_us"][op][label] = f["latency_us"]
                         s["floor_engine"][op][label] = f["floor_engine"]
@@ -738,6 +768,17 @@ class Bench:
                             s["sms"][op][label] = o["odc_sms"]
                     if o and f and f["latency_us"]:
                         s["ratio_to_floor"][op][label] = o["latency_us"] / f["latency_us"]
+            if primary != "odc" and any(k[1] == "odc" for k in by):
+                st = s["odc_staged"] = {"latency_us": {op: {} for op in OPS}, "host_us": {op: {} for op in OPS},
+                                        "ratio_to_floor": {op: {} for op in OPS}}
+                for (op, b, sz), o in by.items():
+                    if b != "odc":
+                        continue
+                    f = by.get((op, "floor", sz))
+                    st["latency_us"][op][size_label(sz)] = o["latency_us"]
+                    st["host_us"][op][size_label(sz)] = o.get("host_us")
+                    if f and f["latency_us"]:
+                        st["ratio_to_floor"][op][size_label(sz)] = o["latency_us"] / f["latency_us"]
             if has_floor:
                 s["floor_definition"] = FLOOR_DEFINITION
             if self.cuda:
@@ -916,6 +957,9 @@ def parse_args(argv=None):
     p.add_argument("--reference", choices=("nccl", "gloo", "odc-nocheck"), default=None,
                    help="what odc is compared with (default: nccl on GPUs, gloo on CPU); odc-nocheck: "
                         "an odc group without the cross-rank descriptor check (ODC_MATCH_CHECK=0)")
+    p.add_argument("--registered", action="store_true",
+                   help="also measure odc with its buffers in registered memory (odc_registered: "
+                        "allocate_tensor, zero-copy); the summary's per-size keys then describe it")
     p.add_argument("--odc-nvshmem", action="store_true",
                    help="also measure an odc group whose peers all go through NVSHMEM (odc_nvshmem; "
                         "needs an ODC_WITH_NVSHMEM=1 build)")

@@ -256,22 +256,30 @@ Channel& OdcBackend::channel(const c10::Device& device) {
 bool OdcBackend::registered_inputs(Channel& ch, bool ag, const at::Tensor& in,
                                    const at::Tensor& out, size_t per_rank,
                                    std::vector<const char*>* in_at, RegisteredId* id) const {
+  // Only the buffers FSDP2 allocates for its collectives qualify, so that every rank takes
+  // the same path: an all-gather in place (its output a whole registered buffer, its input
+  // this rank's part of it), a reduce-scatter whose input is a whole registered buffer.
+  // Other tensors in registered memory (views of it, such as FSDP2's gradients) take the
+  // staged path: whether a view is registered can differ between ranks.
   const RegisteredPool* pool = ch.pool.get();
   const int rank = getRank(), world = getSize();
-  size_t off = 0, out_off = 0;
-  if (!pool || !in.data_ptr() || !pool->find(in.data_ptr(), ag ? per_rank : per_rank * world, &off)) {
+  const size_t whole = per_rank * world;
+  size_t off = 0;
+  if (!pool || whole == 0) return false;
+  if (ag) {
+    if (static_cast<const char*>(in.data_ptr()) !=
+            static_cast<const char*>(out.data_ptr()) + static_cast<size_t>(rank) * per_rank ||
+        !pool->is_block(out.data_ptr(), whole, &off)) {
+      return false;
+    }
+  } else if (!pool->is_block(in.data_ptr(), whole, &off)) {
     return false;
   }
-  // An all-gather in place (its input this rank's part of its output, FSDP2's way): each
-  // rank's input is its own part of an output that lies at the same place on every rank.
-  id->in_place = ag && out.data_ptr() &&
-                 static_cast<const char*>(in.data_ptr()) ==
-                     static_cast<const char*>(out.data_ptr()) + static_cast<size_t>(rank) * per_rank &&
-                 pool->find(out.data_ptr(), per_rank * world, &out_off);
-  id->offset = id->in_place ? out_off : off;
+  id->offset = off;
+  id->in_place = ag;
   in_at->clear();
   for (int r = 0; r < world; ++r) {
-    in_at->push_back(pool->base(r) + id->offset + (id->in_place ? static_cast<size_t>(r) * per_rank : 0));
+    in_at->push_back(pool->base(r) + off + (ag ? static_cast<size_t>(r) * per_rank : 0));
   }
   return true;
 }
@@ -289,7 +297,15 @@ at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
     Channel& ch = channel(device);
     if (!ch.pool && ch.transport->maps_every_peer()) {
       const size_t bytes = options_->pool_bytes_for(device.is_cuda());
-      const int arena = ch.transport->create_arena(bytes);  // collective
+      int arena = 0;
+      try {
+        arena = ch.transport->create_arena(bytes);  // collective
+      } catch (const std::exception& e) {
+        C10_THROW_ERROR(DistBackendError,
+                        cat("odc: allocate_tensor: registered memory is set up by every rank of "
+                            "the group at its first allocate_tensor, and one did not take part: ",
+                            e.what()));
+      }
       std::vector<char*> bases;
       for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
       RegisteredPool::StreamOrder order;

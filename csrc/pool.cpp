@@ -33,7 +33,7 @@ size_t RegisteredPool::allocate(size_t bytes) {
       if (h.stream != stream) order_.wait(stream, h.event);  // freed on another stream
     }
     if (r.size > need) free_[off + need] = Range{r.size - need, r.hazards};
-    allocated_[off] = Block{need, stream};
+    allocated_[off] = Block{need, bytes, stream};
     live_ += need;
     return off;
   }
@@ -68,11 +68,14 @@ void RegisteredPool::free(size_t offset) {
   free_[offset] = std::move(r);
 }
 
-bool RegisteredPool::find(const void* p, size_t bytes, size_t* offset) const {
+bool RegisteredPool::is_block(const void* p, size_t bytes, size_t* offset) const {
   const char* c = static_cast<const char*>(p);
   const char* b = bases_[rank_];
-  if (!b || c < b || c + bytes > b + bytes_) return false;
-  *offset = static_cast<size_t>(c - b);
+  if (!b || c < b || c >= b + bytes_) return false;
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = allocated_.find(static_cast<size_t>(c - b));
+  if (it == allocated_.end() || it->second.requested != bytes) return false;
+  *offset = it->first;
   return true;
 }
 

@@ -43,8 +43,8 @@ class RegisteredPool {
 
   char* base(int rank) const { return bases_[rank]; }
   size_t bytes() const { return bytes_; }
-  // Where [p, p + bytes) lies in this rank's pool (false: outside it).
-  bool find(const void* p, size_t bytes, size_t* offset) const;
+  // Whether p is the start of a live block of exactly `bytes` (as allocated); its offset.
+  bool is_block(const void* p, size_t bytes, size_t* offset) const;
   size_t live_bytes() const;
 
  private:
@@ -57,7 +57,8 @@ class RegisteredPool {
     std::vector<Hazard> hazards;
   };
   struct Block {
-    size_t size;
+    size_t size;       // taken from the pool (aligned)
+    size_t requested;  // asked for
     void* stream;
   };
   void prune(std::vector<Hazard>& hazards);

@@ -40,7 +40,7 @@ def batch(seed: int, dp_rank: int, step: int, micro: int = 0, device="cpu"):
 
 
 def build(mesh, *, seed=0, reshard_after_forward=True, mp_policy=None, device="cpu",
-          offload_policy=None):
+          offload_policy=None, registered=False):
     """Seeded new_model(), fully_shard per block and on the root, plus AdamW. With an offload
     policy the parameters stay on the host (FSDP2 wants them there)."""
     torch.manual_seed(seed)
@@ -53,6 +53,10 @@ def build(mesh, *, seed=0, reshard_after_forward=True, mp_policy=None, device="c
     for blk in model.blocks:
         fully_shard(blk, **kw)
     fully_shard(model, **kw)
+    if registered:  # FSDP2's buffers from odc's registered memory: zero-copy collectives
+        import torch_odc_backend
+
+        torch_odc_backend.use_registered_memory(model)
     # eps well above the fp32 noise floor of the gradients: Adam's first update is
     # ~lr*sign(g), so with a tiny eps a gradient that cancels to ~0 could flip sign
     # under a different (equally valid) summation order and move a weight by 2*lr.
@@ -152,9 +156,9 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def train(mesh, *, seed=0, steps=3, reshard_after_forward=True, mp_policy=None,
-          grad_accum=1, clip_norm=None, device="cpu"):
+          grad_accum=1, clip_norm=None, device="cpu", registered=False):
     model, opt = build(mesh, seed=seed, reshard_after_forward=reshard_after_forward,
-                       mp_policy=mp_policy, device=device)
+                       mp_policy=mp_policy, device=device, registered=registered)
     res = run_steps(model, opt, seed=seed, steps=steps, grad_accum=grad_accum,
                     clip_norm=clip_norm, device=device)
     return {**res, "params": full_params(model)}

@@ -28,7 +28,8 @@ import warnings
 
 import torch
 
-__all__ = ["OdcBackend", "backend_stats", "balance", "built_with_cuda", "decouple", "metrics", "sync"]
+__all__ = ["OdcBackend", "backend_stats", "balance", "built_with_cuda", "decouple", "metrics", "sync",
+           "use_registered_memory"]
 
 BACKEND_NAME = "odc"
 
@@ -42,6 +43,7 @@ _LAZY = {
     "metrics": (".decoupled", "metrics"),
     "balance": (".balance", None),
     "nvshmem": (".nvshmem", None),
+    "use_registered_memory": (".registered", "use_registered_memory"),
 }
 
 

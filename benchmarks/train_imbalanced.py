@@ -13,6 +13,9 @@ documents, from the same initial weights:
   the same number of microbatches (an empty one becomes a zero-weight dummy, so every rank
   joins every layer's collectives);
 * ``exact_lbmicro``: the same on odc exact mode;
+* ``exact_registered_lbmicro``: the same with ``odc.use_registered_memory(model)`` (FSDP2's
+  buffers in registered memory: zero-copy all-gathers and reduce-scatters; the pool, set up
+  at the first of them, is memory outside PyTorch's allocator and stays for later configurations);
 * ``decoupled_lbmini``: ``odc.decouple``; ``balance.lb_mini`` balances each rank's total
   cost, counts may differ; one ``odc.sync`` per minibatch.
 * ``decoupled_dynamic``: ``odc.decouple`` with ``balance.DynamicBalancer``: each minibatch
@@ -501,8 +504,9 @@ def main() -> int:
     p.add_argument("--loss-chunk", type=int, default=8192, help="tokens per LM-head chunk (GPU model)")
     p.add_argument("--no-activation-checkpointing", action="store_true")
     p.add_argument("--configs", default="reference_lbmicro,exact_lbmicro,decoupled_lbmini,decoupled_dynamic",
-                   help="comma-separated, from reference_lbmicro, exact_lbmicro, decoupled_lbmini, "
-                        "decoupled_dynamic, decoupled_local_lbmini (odc.decouple(..., accumulate='local'))")
+                   help="comma-separated, from reference_lbmicro, exact_lbmicro, exact_registered_lbmicro, "
+                        "decoupled_lbmini, decoupled_dynamic, decoupled_local_lbmini "
+                        "(odc.decouple(..., accumulate='local'))")
     p.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
                    help="rank RANK runs every microbatch FACTOR times as long (e.g. 1:1.3)")
     p.add_argument("--cost", choices=("fitted", "flops"), default="fitted",
@@ -630,6 +634,8 @@ def main() -> int:
         if moved_by != ("odc" if mesh is meshes["odc"] else ref_backend):
             raise RuntimeError(f"{name}: the parameters' mesh moves {device.type} tensors with {moved_by}")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if "_registered" in name:
+            odc.use_registered_memory(model)
         if decoupled:
             odc.decouple(model, opt, accumulate="local" if "_local" in name else "owner")
         balancer = balance.DynamicBalancer(name=name) if name.endswith("_dynamic") else None

@@ -173,21 +173,31 @@ def _full_pool_worker(rank, world):
     return equal, _stats(dev), c.numel()
 
 
-def _fsdp_worker(rank, world, registered):
+def _fsdp_worker(rank, world, kind, registered):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    mesh = init_device_mesh("cpu", (world,))
-    out = fm.train(mesh, registered=registered, steps=3)
-    return fm.to_wire({"run": out, "stats": _stats(torch.device("cpu"))})
+    dev = _device(kind)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # only the collectives may differ
+    mesh = init_device_mesh(kind, (world,))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = fm.train(mesh, registered=registered, steps=3, device=dev)
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    return fm.to_wire({"run": out, "stats": _stats(dev)})
 
 
-def test_fsdp2_with_registered_memory_trains_as_without():
-    """FSDP2 with torch_odc_backend.use_registered_memory: bitwise the staged path's training,
-    and its all-gathers and reduce-scatters went zero-copy."""
-    runs = {reg: run_distributed(_fsdp_worker, 2, reg, backend="cpu:odc", timeout_s=TIMEOUT_S, deadline_s=240)
+@pytest.mark.parametrize("kind", ["cpu", cuda_case("cuda", id="cuda")])
+def test_fsdp2_with_registered_memory_trains_as_without(kind):
+    """FSDP2 with torch_odc_backend.use_registered_memory: the staged path's training (bitwise on
+    CPU; on CUDA within the FSDP2 tests' tolerance), and its collectives went zero-copy."""
+    env = dict(_env(kind), CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    runs = {reg: run_distributed(_fsdp_worker, 2, kind, reg, backend=_backend(kind), env=env,
+                                 timeout_s=TIMEOUT_S, deadline_s=240)
             for reg in (False, True)}
+    tol = dict(rtol=0, atol=0) if kind == "cpu" else dict(rtol=1e-5, atol=1e-6)
     for rank in range(2):
-        fm.assert_runs_close(runs[True][rank]["run"], runs[False][rank]["run"], rtol=0, atol=0,
+        fm.assert_runs_close(runs[True][rank]["run"], runs[False][rank]["run"], **tol,
                              what=f"rank {rank} registered vs staged")
         stats = runs[True][rank]["stats"]
         # FSDP2's own all-gathers and reduce-scatters (every reduce-scatter is one) went zero-copy;

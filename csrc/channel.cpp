@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "text.hpp"
@@ -42,9 +43,11 @@ std::vector<std::vector<uint8_t>> gpu_places(const TransportArgs& a, int device)
   return exchange_blobs(a, "device", mine);
 }
 
+// The host name of a place: its bytes before '/' and the 16 bytes of the UUID (which may
+// themselves hold a '/').
 std::string host_of(const std::vector<uint8_t>& place) {
-  const std::string s(place.begin(), place.end());
-  return s.substr(0, s.rfind('/'));
+  constexpr size_t kTail = 1 + sizeof(cudaUUID_t::bytes);
+  return std::string(place.begin(), place.end() - std::min(place.size(), kTail));
 }
 
 // Whether another rank of the group uses this GPU (host name and device UUID compared):

@@ -103,13 +103,18 @@ def test_engine_rule():
     assert odc_engine("reduce_scatter", 256 * MiB, 4, knobs=dict(default, reduce_blocks=4))["sms"] == 4 + 3
     assert odc_engine("all_gather", 4 * KiB, 2, knobs=dict(default, small_op_bytes=0))["engine"] == "copy-engine"
     assert odc_engine("all_gather", 4 * KiB, 16, knobs=default)["engine"] == "copy-engine"  # > 8 lanes
+    # zero-copy: one step per peer (the whole shard), the reduction over the whole shard on lane 0
+    assert odc_engine("all_gather", 256 * MiB, 2, knobs=default, registered=True)["engine"] == "copy-engine"
+    assert odc_engine("reduce_scatter", 256 * MiB, 2, knobs=default, registered=True)["sms"] == 16
+    assert odc_engine("reduce_scatter", 64 * KiB, 2, knobs=dict(default, reduce_blocks=4),
+                      registered=True)["sms"] == 2  # 16K elements: the fused kernel
 
 
 def test_collectives_cpu_floor_and_summary(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(REPO / "benchmarks" / "collectives.py"), "--device", "cpu", "--sizes", "64K",
-         "--trials", "2", "--warmup", "1", "--out-dir", str(tmp_path)],
+         "--trials", "2", "--warmup", "1", "--registered", "--out-dir", str(tmp_path)],
         cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     (path,) = tmp_path.glob("collectives_cpu-x2_*.json")
@@ -122,4 +127,38 @@ def test_collectives_cpu_floor_and_summary(tmp_path):
     assert s["floor_engine"]["all_gather"]["64KiB"] in ("floor_ce", "floor_sm")
     assert s["ratio_to_floor"]["all_gather"]["64KiB"] == pytest.approx(
         s["latency_us"]["all_gather"]["64KiB"] / s["floor_us"]["all_gather"]["64KiB"])
-    assert {r["backend"] for r in doc["rows"] if r["op"] == "reduce_scatter"} >= {"odc", "floor", "floor_ce", "floor_sm"}
+    assert {r["backend"] for r in doc["rows"] if r["op"] == "reduce_scatter"} >= {
+        "odc", "odc_registered", "floor", "floor_ce", "floor_sm"}
+    # the per-size keys describe the zero-copy path; the staged path's beside them
+    assert s["odc_path"] == "registered (zero-copy)"
+    assert set(s["odc_staged"]["ratio_to_floor"]["all_gather"]) == {"64KiB"}
+    by = {(r["op"], r["backend"]): r for r in doc["rows"] if "latency_us" in r}
+    assert s["latency_us"]["all_gather"]["64KiB"] == by[("all_gather", "odc_registered")]["latency_us"]
+    assert doc["odc_backend_stats"].get("registered_ops", 0) > 0, doc["odc_backend_stats"]
+
+
+# ---------------------------------------------------------------- the lab on a GPU
+def _have_mps():
+    import shutil
+
+    import torch
+    return torch.cuda.is_available() and shutil.which("nvidia-cuda-mps-control") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _have_mps(), reason="needs a CUDA GPU and nvidia-cuda-mps-control")
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_ranks_under_mps_run(tmp_path, ranks):
+    """W ranks on one GPU under MPS (a client gets few hardware queues there): the staged and
+    zero-copy collectives, fused and on the copy engines, finish and are bitwise right."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    proc = subprocess.run(
+        ["bash", str(LAB), "--ranks", str(ranks), "--timeout", "150", "--",
+         str(REPO / "benchmarks" / "collectives.py"), "--reference", "odc-nocheck", "--registered",
+         "--no-gemm", "--sizes", "1M,64M", "--trials", "2", "--warmup", "1", "--pg-timeout", "60",
+         "--out-dir", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (path,) = tmp_path.glob(f"collectives_*-mps-x{ranks}_*.json")
+    doc = json.loads(path.read_text())
+    assert doc["complete"] and doc["summary"]["all_checks_passed"] and not doc["errors"], doc["errors"]

@@ -139,7 +139,8 @@ def odc_engine(op: str, nbytes: int, world: int, elem_bytes: int = 2, knobs: dic
     SMs it holds per rank: derived from csrc (see SMS_SOURCE), not measured.
 
     * fused kernel (one launch): every copy step <= ODC_SMALL_OP_BYTES (default 1 MiB) and, for a
-      reduce-scatter, every reduce step's fp32 worst case (elements x 4) <= a quarter of it; world <= 8 (the
+      reduce-scatter, every reduce step's fp32 worst case (elements x 4) too (a quarter of it for
+      a zero-copy reduce-scatter, whose one-block reduction reads the peers' memory); world <= 8 (the
       step / pointer caps, 40 / 96, counted from protocol.cpp: an 8-rank reduce-scatter with the
       match check issues 39 steps and 64 pointers, so they are not modelled). Grid of ``world``
       blocks x 1024 threads (one per lane).
@@ -158,8 +159,8 @@ def odc_engine(op: str, nbytes: int, world: int, elem_bytes: int = 2, knobs: dic
     # bytes of one copy step: one ring chunk of one shard (staged), the whole shard (registered)
     step = nbytes // world if registered else min(nbytes // world, chunk)
     fused = small > 0 and world <= 8 and step <= small
-    if op == "reduce_scatter":  # a fused reduction (one block): elements x 4 <= small / 4
-        fused = fused and (step // elem_bytes) * 16 <= small
+    if op == "reduce_scatter":  # a fused reduction (one block); reading peers' memory: <= small / 4
+        fused = fused and (step // elem_bytes) * 4 * (4 if registered else 1) <= small
     if fused:
         return {"engine": "fused-kernel", "sms": world,
                 "detail": f"1 fused kernel: {world} blocks x 1024 threads (one per lane)"}

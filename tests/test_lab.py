@@ -106,8 +106,10 @@ def test_engine_rule():
     # zero-copy: one step per peer (the whole shard), the reduction over the whole shard on lane 0
     assert odc_engine("all_gather", 256 * MiB, 2, knobs=default, registered=True)["engine"] == "copy-engine"
     assert odc_engine("reduce_scatter", 256 * MiB, 2, knobs=default, registered=True)["sms"] == 16
-    assert odc_engine("reduce_scatter", 64 * KiB, 2, knobs=dict(default, reduce_blocks=4),
-                      registered=True)["sms"] == 2  # 16K elements: the fused kernel
+    assert odc_engine("reduce_scatter", 256 * KiB, 2, knobs=default, registered=True)["sms"] == 2  # fused
+    # a fused zero-copy reduction reads the peers' memory: fused only up to a quarter of the limit
+    assert odc_engine("reduce_scatter", 1 * MiB, 2, knobs=default, registered=True)["engine"] == "copy-engine"
+    assert odc_engine("reduce_scatter", 1 * MiB, 2, knobs=default)["engine"] == "fused-kernel"
 
 
 def test_collectives_cpu_floor_and_summary(tmp_path):

@@ -232,7 +232,8 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
 int CudaIpcTransport::create_arena(size_t bytes) {
   DeviceGuard g(device_);
   const int id = static_cast<int>(arenas_.size());
-  arenas_.push_back(memory_->open(a_, "ipc_arena" + std::to_string(id), bytes, "decoupled-mode arena"));
+  arenas_.push_back(memory_->open(a_, "ipc_arena" + std::to_string(id), bytes, "arena"));
+  arena_bytes_.push_back(bytes);
   // No peer may signal into an arena before its owner has zeroed it.
   store_barrier(a_, "ipc_arena_open" + std::to_string(id));
   return id;
@@ -387,16 +388,35 @@ bool CudaIpcTransport::fusable() const {
     if (s.kind == kStepAccumulate || s.kind == kStepZero) return false;
     if (s.kind == kStepCopy && s.value > small_op_bytes_) return false;
     if (s.kind == kStepReduce &&
-        // one block reduces in the fused kernel: above a quarter of small_op_bytes (fp32 worst
-        // case) the copy-engine path's reduce kernel is faster (2 x H100: a 1 MiB reduce-scatter
-        // 73 us fused, 46 us on it; a 1 MiB all-gather 39 us fused, 62 us on it)
-        (s.value * 16 > small_op_bytes_ ||
+        // fp32 worst case. One block reduces in the fused kernel: reading peers' memory (a
+        // zero-copy reduce-scatter) it is faster on the copy-engine path above a quarter of
+        // small_op_bytes (2 x H100, 1 MiB: 73 us fused, 46 us there; from local landing slots,
+        // the staged path, the fused kernel stays faster: 40 against 71 us at 512 KiB)
+        (s.value * 4 * (reads_peer_memory(s) ? 4 : 1) > small_op_bytes_ ||
          s.spec.combine != Combine::Sum || static_cast<int>(s.spec.dtype) > static_cast<int>(DType::F16))) {
       return false;  // the fused kernel sums fp32 / bf16 / fp16 only
     }
     if (s.n > kFusedThreads) return false;
   }
   return true;
+}
+
+bool CudaIpcTransport::reads_peer_memory(const Step& s) const {
+  auto in = [](const void* p, const char* base, size_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    return base && c >= base && c < base + bytes;
+  };
+  for (int i = 0; i < s.n; ++i) {
+    const void* p = ptrs_[s.first + i];
+    for (int r = 0; r < a_.world; ++r) {
+      if (r == a_.rank) continue;
+      if (in(p, bases_[r], a_.layout.total)) return true;
+      for (size_t id = 0; id < arenas_.size(); ++id) {
+        if (in(p, arenas_[id][r], arena_bytes_[id])) return true;
+      }
+    }
+  }
+  return false;
 }
 
 void CudaIpcTransport::run_fused() {

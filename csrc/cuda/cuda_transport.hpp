@@ -104,6 +104,7 @@ class CudaIpcTransport final : public Transport {
 
 
   bool fusable() const;
+  bool reads_peer_memory(const Step& reduce) const;  // a source in a peer's window or arena
   void run_fused();
   void run_on_copy_engines();
 
@@ -144,7 +145,9 @@ class CudaIpcTransport final : public Transport {
   Ring ring_ = kAgRing;
   cudaStream_t ring_stream_[kNumRings] = {};  // the stream of each ring's last op
   cudaEvent_t ring_done_[kNumRings] = {};     // recorded at the end of that op
-  std::vector<std::vector<char*>> arenas_;    // decoupled mode: per arena, every rank's base
+  std::vector<std::vector<char*>> arenas_;    // per arena (decoupled mode, registered
+                                              // memory): every rank's base
+  std::vector<size_t> arena_bytes_;
   Lanes* cur_ = nullptr;
   std::vector<bool> lane_used_;
   // Signals issued on a lane are folded into that lane's next wait kernel (unless a wait on

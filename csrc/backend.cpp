@@ -276,13 +276,44 @@ bool OdcBackend::registered_inputs(Channel& ch, bool ag, const at::Tensor& in,
     return false;
   }
   id->offset = off;
-  id->in_place = ag;
   in_at->clear();
   for (int r = 0; r < world; ++r) {
     in_at->push_back(pool->base(r) + off + (ag ? static_cast<size_t>(r) * per_rank : 0));
   }
   return true;
 }
+
+#ifdef ODC_WITH_CUDA
+namespace {
+// How registered memory is ordered on CUDA streams (RegisteredPool::StreamOrder): the current
+// stream allocates; a free records an event on the block's stream; a block freed on another
+// stream is reused after that event.
+RegisteredPool::StreamOrder cuda_stream_order(c10::DeviceIndex idx) {
+  RegisteredPool::StreamOrder order;
+  order.current = [idx]() -> void* { return c10::cuda::getCurrentCUDAStream(idx).stream(); };
+  order.record = [idx](void* stream) {
+    c10::cuda::CUDAGuard g(idx);
+    cudaEvent_t ev = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(ev, static_cast<cudaStream_t>(stream)));
+    return std::shared_ptr<void>(ev, [idx](void* e) {
+      c10::cuda::CUDAGuard g2(idx);
+      (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+    });
+  };
+  order.done = [](const std::shared_ptr<void>& ev) {
+    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(ev.get()));
+    if (e == cudaErrorNotReady) (void)cudaGetLastError();
+    return e == cudaSuccess;
+  };
+  order.wait = [](void* stream, const std::shared_ptr<void>& ev) {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                       static_cast<cudaEvent_t>(ev.get()), 0));
+  };
+  return order;
+}
+}  // namespace
+#endif
 
 at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
   const c10::Device device = options.device();
@@ -310,29 +341,7 @@ at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
       for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
       RegisteredPool::StreamOrder order;
 #ifdef ODC_WITH_CUDA
-      if (device.is_cuda()) {
-        const c10::DeviceIndex idx = device.index();
-        order.current = [idx]() -> void* { return c10::cuda::getCurrentCUDAStream(idx).stream(); };
-        order.record = [idx](void* stream) {
-          c10::cuda::CUDAGuard g(idx);
-          cudaEvent_t ev = nullptr;
-          C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-          C10_CUDA_CHECK(cudaEventRecord(ev, static_cast<cudaStream_t>(stream)));
-          return std::shared_ptr<void>(ev, [idx](void* e) {
-            c10::cuda::CUDAGuard g2(idx);
-            (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
-          });
-        };
-        order.done = [](const std::shared_ptr<void>& ev) {
-          const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(ev.get()));
-          if (e == cudaErrorNotReady) (void)cudaGetLastError();
-          return e == cudaSuccess;
-        };
-        order.wait = [](void* stream, const std::shared_ptr<void>& ev) {
-          C10_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                             static_cast<cudaEvent_t>(ev.get()), 0));
-        };
-      }
+      if (device.is_cuda()) order = cuda_stream_order(device.index());
 #endif
       ch.pool = std::make_shared<RegisteredPool>(std::move(bases), bytes, getRank(), std::move(order));
     }

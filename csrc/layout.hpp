@@ -42,16 +42,13 @@ OpDescFields decode_op_desc(uint64_t desc);
 // goes for ring collectives): where the buffer its peers read lies in the rank's registered
 // pool, and the collective's number on its ring. Ranks compare it like the descriptor.
 struct RegisteredId {
-  uint64_t offset = 0;    // bytes into the pool of the input (in place: of the whole output)
-  bool in_place = false;  // all-gather whose input is this rank's part of the output
-  uint64_t number = 0;    // 1, 2, ... (low 20 bits kept)
+  uint64_t offset = 0;  // bytes into the pool of the buffer read: a reduce-scatter's input, an
+                        // all-gather's whole output (its input is this rank's part of it)
+  uint64_t number = 0;  // 1, 2, ... (low 20 bits kept)
   uint64_t encode() const {
-    return (number & 0xFFFFF) << 44 | (in_place ? uint64_t{1} << 43 : 0) |
-           (offset & ((uint64_t{1} << 43) - 1));
+    return (number & 0xFFFFF) << 44 | (offset & ((uint64_t{1} << 44) - 1));
   }
-  static RegisteredId decode(uint64_t w) {
-    return {w & ((uint64_t{1} << 43) - 1), ((w >> 43) & 1) != 0, w >> 44};
-  }
+  static RegisteredId decode(uint64_t w) { return {w & ((uint64_t{1} << 44) - 1), w >> 44}; }
 };
 
 // Every collective a rank starts is *announced* to each peer before its first transfer:

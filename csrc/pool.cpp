@@ -35,7 +35,6 @@ size_t RegisteredPool::allocate(size_t bytes) {
     }
     if (r.size > need) free_[off + need] = Range{r.size - need, r.hazards};
     allocated_[off] = Block{need, bytes, stream};
-    live_ += need;
     return off;
   }
   return SIZE_MAX;
@@ -47,7 +46,6 @@ void RegisteredPool::free(size_t offset) {
   if (it == allocated_.end()) return;  // not ours (a tensor's deleter frees each block once)
   Range r{it->second.size, {}};
   if (order_.record) r.hazards.push_back(Hazard{it->second.stream, order_.record(it->second.stream)});
-  live_ -= it->second.size;
   allocated_.erase(it);
   // Coalesce with the free neighbours (their hazards come along).
   auto next = free_.lower_bound(offset);
@@ -78,11 +76,6 @@ bool RegisteredPool::is_block(const void* p, size_t bytes, size_t* offset) const
   if (it == allocated_.end() || it->second.requested != bytes) return false;
   *offset = it->first;
   return true;
-}
-
-size_t RegisteredPool::live_bytes() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return live_;
 }
 
 }  // namespace odc

@@ -42,10 +42,8 @@ class RegisteredPool {
   void free(size_t offset);
 
   char* base(int rank) const { return bases_[rank]; }
-  size_t bytes() const { return bytes_; }
   // Whether p is the start of a live block of exactly `bytes` (as allocated); its offset.
   bool is_block(const void* p, size_t bytes, size_t* offset) const;
-  size_t live_bytes() const;
 
  private:
   struct Hazard {  // work queued on `stream` when part of a range was freed
@@ -70,7 +68,6 @@ class RegisteredPool {
   mutable std::mutex mu_;               // tensors are freed on any thread
   std::map<size_t, Range> free_;        // by offset, coalesced
   std::map<size_t, Block> allocated_;   // by offset
-  size_t live_ = 0;
 };
 
 }  // namespace odc

@@ -325,6 +325,13 @@ void Protocol::registered_wait_ready(int ring, int lane, const std::vector<int>&
   t_->wait(lane, ready, peers, id.number, site, desc ? &check : nullptr);
 }
 
+void Protocol::registered_done(int ring, int lane, const std::vector<int>& peers,
+                               uint64_t number) {
+  std::vector<uint64_t*> at;
+  for (int p : peers) at.push_back(flag_in(p, kRegDone[ring], rank_));
+  t_->signal(lane, at, number);
+}
+
 void Protocol::registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
                                  const WaitSite& site) {
   std::vector<const uint64_t*> done;
@@ -340,13 +347,13 @@ void Protocol::all_gather_registered(void* out, const std::vector<const char*>& 
   const bool copy_own = my_part != in_at[rank_] && shard_bytes > 0;
   announce(desc);
   if (world_ > 1) {
-    id.number = next_registered(0);
+    id.number = ++registered_[0];
     registered_ready(0, id, desc);
     for (int i = 1; i < world_; ++i) {  // each peer's shard on its lane
       const int p = (rank_ + i) % world_;
       registered_wait_ready(0, i, {p}, id, desc, {"all_gather", "the input of", op_seq});
       if (shard_bytes) t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes, in_at[p], shard_bytes);
-      t_->signal(i, {flag_in(p, WindowLayout::RegAgDone, rank_)}, id.number);
+      registered_done(0, i, {p}, id.number);
     }
   }
   if (copy_own) t_->copy(0, my_part, in_at[rank_], shard_bytes);
@@ -363,7 +370,7 @@ void Protocol::reduce_scatter_registered(void* out, const std::vector<const char
   const size_t part_bytes = out_numel * elem_size;
   const auto peers = peers_but_me();
   if (world_ > 1) {
-    id.number = next_registered(1);
+    id.number = ++registered_[1];
     registered_ready(1, id, desc);
     registered_wait_ready(1, 0, peers, id, desc, {"reduce_scatter", "the input of", op_seq});
   }
@@ -371,11 +378,7 @@ void Protocol::reduce_scatter_registered(void* out, const std::vector<const char
   for (int r = 0; r < world_; ++r) srcs.push_back(in_at[r] + static_cast<size_t>(rank_) * part_bytes);
   if (out_numel) t_->reduce(0, out, srcs, out_numel, spec);
   if (world_ > 1) {
-    t_->signal(0, [&] {
-      std::vector<uint64_t*> at;
-      for (int p : peers) at.push_back(flag_in(p, WindowLayout::RegRsDone, rank_));
-      return at;
-    }(), id.number);
+    registered_done(1, 0, peers, id.number);
     registered_finish(1, peers, id.number, {"reduce_scatter", "the reads of this rank's input by", op_seq});
   }
 }

@@ -98,13 +98,13 @@ class Protocol {
   // Put chunk g of mine into p's landing ring (waiting for the slot), with its descriptor.
   void put_chunk(int lane, int p, uint64_t g, const char* src, size_t len, uint64_t desc,
                  const char* op, uint64_t op_seq);
-  // Registered collectives: the next number on `ring` (0: all-gather, 1: reduce-scatter);
-  // "input ready" (with the descriptor and id) to every peer; waits for the peers' (each on
-  // its lane with one_lane false, else together on lane 0) and for their "done".
-  uint64_t next_registered(int ring) { return ++registered_[ring]; }
+  // Registered collectives on `ring` (0: all-gather, 1: reduce-scatter): "input ready" (with
+  // the descriptor and id) to every peer; on `lane`, wait for `peers`' "input ready"; tell
+  // `peers` this rank is done reading them; wait (lane 0) until every peer is done.
   void registered_ready(int ring, RegisteredId id, uint64_t desc);
   void registered_wait_ready(int ring, int lane, const std::vector<int>& peers, RegisteredId id,
                              uint64_t desc, const WaitSite& site);
+  void registered_done(int ring, int lane, const std::vector<int>& peers, uint64_t number);
   void registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
                          const WaitSite& site);
 

@@ -102,9 +102,8 @@ std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t
     }
     return cat("odc: ", site.op, " #", site.op_seq, ": the registered buffers of rank ", peer,
                " and this rank (rank ", rank, ") are not at the same place: this rank's ",
-               a.in_place ? "output (in place)" : "input", " starts at byte ", a.offset,
-               " of its registered pool, rank ", peer, "'s ",
-               b.in_place ? "output (in place)" : "input", " at byte ", b.offset,
+               kind == OpKind::AllGatherRegistered ? "output" : "input", " starts at byte ",
+               a.offset, " of its registered pool, rank ", peer, "'s at byte ", b.offset,
                ". Zero-copy collectives read their peers' buffers at the same place in the peer's "
                "pool: every rank must allocate them (allocate_tensor) with the same sizes in the "
                "same order, and free them in the same order", end);

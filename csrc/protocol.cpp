@@ -26,8 +26,8 @@ uint64_t* Protocol::desc_in(int owner, WindowLayout::Desc kind, int peer, uint64
 void Protocol::store_desc(int lane, const std::vector<uint64_t*>& at, uint64_t desc, uint64_t g) {
   std::vector<uint64_t*> ids;
   for (uint64_t* d : at) ids.push_back(d + 1);
-  t_->signal(lane, at, desc);  // signals are stored in issue order: both before the counter
-  t_->signal(lane, ids, g);
+  t_->store(lane, at, desc);  // payloads: visible before the counter signalled after them
+  t_->store(lane, ids, g);
 }
 
 void Protocol::begin_collective() {

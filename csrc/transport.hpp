@@ -50,7 +50,15 @@ class Transport {
                     const std::vector<int>& peers, uint64_t target, const WaitSite& site,
                     const DescCheck* check = nullptr) = 0;
   // After everything issued on the lane before it, store value into each counter.
+  // Signals issued at one point of a lane (only signals and stores between them) may
+  // become visible in any order among themselves.
   virtual void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) = 0;
+  // Store a payload word (a descriptor) that peers read only after acquiring a counter
+  // signalled later on the lane: it is visible before that counter, and need not be after
+  // the data issued before it.
+  virtual void store(int lane, const std::vector<uint64_t*>& words, uint64_t value) {
+    signal(lane, words, value);
+  }
   virtual void copy(int lane, void* dst, const void* src, size_t bytes) = 0;
   // dst[i] = spec.scale * sum_j srcs[j][i]
   virtual void reduce(int lane, void* dst, const std::vector<const void*>& srcs,

@@ -323,6 +323,11 @@ void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uin
   steps_.push_back(s);
 }
 
+void CudaIpcTransport::store(int lane, const std::vector<uint64_t*>& words, uint64_t value) {
+  signal(lane, words, value);
+  steps_.back().kind = kStepStore;
+}
+
 void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) {
   steps_.push_back(Step{kStepCopy, lane, 0, 0, bytes, 0, 0, dst, src, {}, {}});
 }
@@ -426,31 +431,45 @@ void CudaIpcTransport::run_fused() {
   op.err = err_dev_;
   op.watch_slots = watch_.slots;
   op.watch_word = watch_.word;
-  int k = 0;
-  for (int lane = 0; lane < a_.world; ++lane) {  // steps grouped by lane, in issue order
-    op.lane_begin[lane] = static_cast<unsigned short>(k);
+  // Steps grouped by lane, in issue order, except that in a run of signals and stores the
+  // stores go first: the run then costs one fence (Transport::signal / store's contract).
+  std::vector<const Step*> order;
+  order.reserve(steps_.size());
+  for (int lane = 0; lane < a_.world; ++lane) {
+    op.lane_begin[lane] = static_cast<unsigned short>(order.size());
+    size_t run = order.size();  // where the current run of signals and stores begins
     for (const Step& s : steps_) {
       if (s.lane != lane) continue;
-      FusedStep& f = op.steps[k++];
-      f.kind = s.kind;
-      f.dtype = static_cast<uint8_t>(s.spec.dtype);
-      f.n = static_cast<uint16_t>(s.n);
-      f.first = static_cast<uint16_t>(s.first);
-      f.scale = static_cast<float>(s.spec.scale);
-      f.scale_ptr = s.spec.scale_ptr;
-      f.value = s.value;
-      f.desc = s.desc;
-      f.desc_id = s.desc_id;
-      f.dst = s.dst;
-      f.src = s.src;
-      f.what = s.site.what;
-      if (s.kind == kStepWait) {
-        op.op_seq = s.site.op_seq;
-        op.op = s.site.op;
+      if (s.kind == kStepStore) {
+        order.insert(order.begin() + static_cast<std::ptrdiff_t>(run), &s);
+        ++run;
+      } else {
+        order.push_back(&s);
+        if (s.kind != kStepSignal) run = order.size();
       }
     }
   }
-  op.lane_begin[a_.world] = static_cast<unsigned short>(k);
+  op.lane_begin[a_.world] = static_cast<unsigned short>(order.size());
+  for (size_t k = 0; k < order.size(); ++k) {
+    const Step& s = *order[k];
+    FusedStep& f = op.steps[k];
+    f.kind = s.kind;
+    f.dtype = static_cast<uint8_t>(s.spec.dtype);
+    f.n = static_cast<uint16_t>(s.n);
+    f.first = static_cast<uint16_t>(s.first);
+    f.scale = static_cast<float>(s.spec.scale);
+    f.scale_ptr = s.spec.scale_ptr;
+    f.value = s.value;
+    f.desc = s.desc;
+    f.desc_id = s.desc_id;
+    f.dst = s.dst;
+    f.src = s.src;
+    f.what = s.site.what;
+    if (s.kind == kStepWait) {
+      op.op_seq = s.site.op_seq;
+      op.op = s.site.op;
+    }
+  }
   for (size_t i = 0; i < ptrs_.size(); ++i) {
     op.ptrs[i] = ptrs_[i];
     op.peers[i] = static_cast<short>(peers_[i]);
@@ -462,6 +481,20 @@ void CudaIpcTransport::run_fused() {
 // back to the operation's stream.
 
 void CudaIpcTransport::run_on_copy_engines() {
+  // Data on one lane only (a zero-copy all-gather of 2 ranks, any zero-copy reduce-scatter):
+  // nothing to overlap, so every lane runs on the operation's stream in issue order (which
+  // is deadlock-free, see below). Fewer launches and no fork or join; waits and signals of
+  // one point share a flag kernel.
+  int data_lane = -1;
+  bool one_data_lane = !memory_->any_routed();
+  for (const Step& s : steps_) {
+    if (s.kind == kStepWait || s.kind == kStepSignal || s.kind == kStepStore) continue;
+    if (data_lane >= 0 && s.lane != data_lane) one_data_lane = false;
+    data_lane = s.lane;
+  }
+  if (one_data_lane) {
+    for (Step& s : steps_) s.lane = 0;
+  }
   cur_ = &lanes_for(op_stream_);
   cudaEvent_t start = nullptr;
   if (wait_value_) {
@@ -469,7 +502,7 @@ void CudaIpcTransport::run_on_copy_engines() {
     check(cudaEventRecord(start, op_stream_), "recording an event");
     op_waits_.clear();
   }
-  check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
+  if (!one_data_lane) check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
   std::fill(lane_used_.begin(), lane_used_.end(), false);
   std::vector<uint64_t*> sigs;
   std::vector<const void*> srcs;
@@ -487,11 +520,16 @@ void CudaIpcTransport::run_on_copy_engines() {
         launch_flags(s.lane, &s);
         break;
       case kStepSignal:
+      case kStepStore:
         sigs.clear();
         for (int i = 0; i < s.n; ++i) {
           sigs.push_back(static_cast<uint64_t*>(const_cast<void*>(ptrs_[s.first + i])));
         }
-        issue_signal(s.lane, sigs, s.value);
+        if (s.kind == kStepStore && !memory_->any_routed()) {
+          issue_direct_signal(s.lane, sigs, s.value, /*payload=*/true);
+        } else {
+          issue_signal(s.lane, sigs, s.value);  // routed words keep issue order
+        }
         break;
       case kStepCopy:
         issue_copy(s.lane, s.dst, s.src, s.value);
@@ -556,6 +594,7 @@ void CudaIpcTransport::launch_flags(int lane, const Step* wait) {
     op.n_signal[b] = static_cast<int>(p.flags[b].size());
     std::copy(p.flags[b].begin(), p.flags[b].end(), op.signal[b]);
     op.signal_value[b] = p.value[b];
+    op.payload[b] = p.payload[b];
   }
   if (wait) {
     op.n_wait = wait->n;
@@ -602,30 +641,32 @@ void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flag
       }
       memory_->signal_routed(f, value, lane_stream(lane));
     }
-    if (!direct.empty()) issue_direct_signal(lane, direct, value);
+    if (!direct.empty()) issue_direct_signal(lane, direct, value, false);
     return;
   }
-  issue_direct_signal(lane, flags, value);
+  issue_direct_signal(lane, flags, value, false);
 }
 
 void CudaIpcTransport::issue_direct_signal(int lane, const std::vector<uint64_t*>& flags,
-                                           uint64_t value) {
+                                           uint64_t value, bool payload) {
   if (wait_value_) {
     // Stream memory operations: written at once, in protocol order. Held back until
     // the lane's next wait, a signal could queue behind a blocked wait of another
     // stream sharing its hardware queue, and two ranks would wait for each other.
     fork_lane(lane);
     const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
+    // A payload needs no fence of its own: the counter's write after it has one.
+    const unsigned flags_arg =
+        payload ? CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER : CU_STREAM_WRITE_VALUE_DEFAULT;
     for (uint64_t* f : flags) {
-      if (write_value_(s, reinterpret_cast<CUdeviceptr>(f), value,
-                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+      if (write_value_(s, reinterpret_cast<CUdeviceptr>(f), value, flags_arg) != CUDA_SUCCESS) {
         throw std::runtime_error("odc: cuStreamWriteValue64 failed");
       }
     }
     return;
   }
   PendingSignals* p = &pending_[lane];
-  if (p->batches > 0 && p->value[p->batches - 1] == value &&
+  if (p->batches > 0 && p->value[p->batches - 1] == value && p->payload[p->batches - 1] == payload &&
       p->flags[p->batches - 1].size() + flags.size() <= static_cast<size_t>(kMaxPeers)) {
     auto& last = p->flags[p->batches - 1];  // the same value: one batch
     last.insert(last.end(), flags.begin(), flags.end());
@@ -637,6 +678,7 @@ void CudaIpcTransport::issue_direct_signal(int lane, const std::vector<uint64_t*
   }
   p->flags[p->batches].assign(flags.begin(), flags.end());
   p->value[p->batches] = value;
+  p->payload[p->batches] = payload;
   ++p->batches;
 }
 

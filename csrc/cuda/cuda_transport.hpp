@@ -50,6 +50,7 @@ class CudaIpcTransport final : public Transport {
   void wait(int lane, const std::vector<const uint64_t*>& flags, const std::vector<int>& peers,
             uint64_t target, const WaitSite& site, const DescCheck* check) override;
   void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) override;
+  void store(int lane, const std::vector<uint64_t*>& words, uint64_t value) override;
   void copy(int lane, void* dst, const void* src, size_t bytes) override;
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
               const ReduceSpec& spec) override;
@@ -111,7 +112,8 @@ class CudaIpcTransport final : public Transport {
   cudaStream_t lane_stream(int lane) const;
   void flush_signals(int lane);
   void issue_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value);
-  void issue_direct_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value);
+  void issue_direct_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value,
+                           bool payload);
   void issue_prepare(int lane);
   void fork_lane(int lane);
   void issue_copy(int lane, void* dst, const void* src, size_t bytes);
@@ -156,6 +158,7 @@ class CudaIpcTransport final : public Transport {
   struct PendingSignals {
     std::vector<uint64_t*> flags[kSignalBatches];
     uint64_t value[kSignalBatches] = {};
+    bool payload[kSignalBatches] = {};
     int batches = 0;
   };
   std::vector<PendingSignals> pending_;

@@ -15,8 +15,16 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
   return v;
 }
 
-__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Orders everything before it (this thread's accesses, and by cumulativity what it has
+// observed: earlier work on the stream, the block's steps before a __syncthreads) before
+// this thread's later stores. One MEMBAR.ALL.SYS: a signal point costs one fence, not one
+// per store (__threadfence_system is the costlier sequentially consistent MEMBAR.SC.SYS).
+__device__ __forceinline__ void fence_release() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
 __device__ __forceinline__ uint64_t global_ns() {
@@ -93,12 +101,17 @@ __device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
 
 __global__ void flag_kernel(FlagOp op) {
   const int t = threadIdx.x;
-  for (int b = 0; b < kSignalBatches; ++b) {
-    if (op.n_signal[b] == 0) continue;
-    __threadfence_system();  // what precedes (earlier batches included) before these stores
-    __syncwarp();
-    for (int i = t; i < op.n_signal[b]; i += blockDim.x) {
-      store_release(op.signal[b][i], op.signal_value[b]);
+  if (t == 0) {  // one thread: the payloads, one fence, then the counters (FlagOp)
+    bool fenced = false;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int b = 0; b < kSignalBatches; ++b) {
+        if (op.n_signal[b] == 0 || op.payload[b] != (pass == 0)) continue;
+        if (pass == 1 && !fenced) {
+          fence_release();
+          fenced = true;
+        }
+        for (int i = 0; i < op.n_signal[b]; ++i) store_relaxed(op.signal[b][i], op.signal_value[b]);
+      }
     }
   }
   if (op.n_wait == 0) return;
@@ -314,8 +327,10 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
   __syncthreads();
   const uint64_t start = global_ns();
   const int lane = blockIdx.x;
+  bool fenced = false;  // thread 0 fenced since the lane's last step other than a signal
   for (int i = op.lane_begin[lane]; i < op.lane_begin[lane + 1]; ++i) {
     const FusedStep& s = op.steps[i];
+    if (s.kind != kStepSignal) fenced = false;
     switch (s.kind) {
       case kStepWait:
         if (threadIdx.x < s.n) {
@@ -331,13 +346,23 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
         __syncthreads();
         if (failed) return;  // the error is recorded; later steps would read garbage
         break;
-      case kStepSignal:
-        __threadfence_system();  // this block's writes before the counters
-        __syncthreads();
-        if (threadIdx.x < s.n) {
-          store_release(static_cast<uint64_t*>(const_cast<void*>(op.ptrs[s.first + threadIdx.x])),
-                        s.value);
+      case kStepStore:  // a payload: read by peers only after a later counter
+        if (threadIdx.x == 0) {
+          for (int j = 0; j < s.n; ++j) {
+            store_relaxed(static_cast<uint64_t*>(const_cast<void*>(op.ptrs[s.first + j])), s.value);
+          }
         }
+        fenced = false;
+        break;
+      case kStepSignal:
+        __syncthreads();  // the block's steps before it (copies, reductions, waits)
+        if (threadIdx.x == 0) {  // after them and the payloads: one fence per signal point
+          if (!fenced) fence_release();
+          for (int j = 0; j < s.n; ++j) {
+            store_relaxed(static_cast<uint64_t*>(const_cast<void*>(op.ptrs[s.first + j])), s.value);
+          }
+        }
+        fenced = true;
         break;
       case kStepCopy:
         block_copy(s.dst, s.src, s.value);

@@ -29,8 +29,10 @@ struct DeviceError {
 constexpr int kMaxPeers = 64;
 constexpr int kSignalBatches = 4;  // e.g. the announcement, descriptors, chunk numbers, the data counters
 
-// Store each batch of signals in order (batch b's value into its counters: announcing
-// the work that precedes this kernel on its stream), then wait until every wait counter
+// Store the payload batches (descriptors), then one fence, then the counter batches
+// (announcing the work that precedes this kernel on its stream: Transport::signal's
+// contract; counters of one FlagOp are not ordered among themselves), then wait until
+// every wait counter
 // is >= wait_target and, with desc_expected != 0, check that the descriptor stored with
 // it equals desc_expected and its id desc_id (DescCheck); on a timeout or a mismatch
 // record it in `err` and return.
@@ -40,6 +42,7 @@ struct FlagOp {
   const uint64_t* desc[kMaxPeers];  // parallel to wait
   int wait_peer[kMaxPeers];
   int n_signal[kSignalBatches];
+  bool payload[kSignalBatches];  // Transport::store: before the fence and the counters
   int n_wait;
   unsigned long long signal_value[kSignalBatches];
   unsigned long long wait_target;
@@ -68,12 +71,13 @@ struct ReduceOpArgs {
 // loads and stores. For small operations the launch and synchronisation costs of
 // the copy-engine path (a kernel or copy per step, events per lane) dominate.
 // (kStepAccumulate and kStepZero run on the copy-engine path only, never fused.)
-enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce, kStepAccumulate, kStepZero };
+enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce, kStepAccumulate, kStepZero,
+                         kStepStore };
 
 struct FusedStep {
   uint8_t kind;
   uint8_t dtype;             // reduce: DType
-  uint16_t n;                // wait/signal: counters; reduce: sources
+  uint16_t n;                // wait/signal/store: counters (words); reduce: sources
   uint16_t first;            // first entry of this step in FusedOp::ptrs / peers
   uint16_t pad;
   float scale;               // reduce

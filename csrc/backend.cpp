@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <exception>  // std::uncaught_exceptions
+#include <mutex>
 #include <cstring>
 
 #include "text.hpp"
@@ -31,16 +32,16 @@ namespace {
 
 // The Work of a one-sided collective. CPU work is complete when returned; CUDA
 // work completes on the operation's stream, and wait() only makes the caller's
-// current stream wait for it (the CPU never blocks).
+// current stream wait for it (the CPU never blocks). Its Future is made on the first
+// getFuture(): most callers never ask, and making one costs an event and a walk of the
+// outputs on every collective.
 class OdcWork final : public c10d::Work {
  public:
   OdcWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
-          std::vector<at::Tensor> keep_alive, c10::intrusive_ptr<c10::ivalue::Future> future,
-          Transport* transport)
+          std::vector<at::Tensor> keep_alive, Transport* transport)
       : Work(rank, type),
         outputs_(std::move(outputs)),
         keep_alive_(std::move(keep_alive)),
-        future_(std::move(future)),
         transport_(transport) {}
 
 #ifdef ODC_WITH_CUDA
@@ -75,7 +76,11 @@ class OdcWork final : public c10d::Work {
     return true;
   }
 
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::lock_guard<std::mutex> lock(future_mu_);
+    if (!future_) future_ = make_future();
+    return future_;
+  }
   std::vector<at::Tensor> result() override { return outputs_; }
 
  private:
@@ -84,8 +89,30 @@ class OdcWork final : public c10d::Work {
     if (!err.empty()) C10_THROW_ERROR(DistBackendError, err);
   }
 
+  // A Future completed with the outputs. On CUDA it completes with the work: marked on a
+  // side stream that waits for the work's event (not on the operation's stream, which may
+  // carry later work by now).
+  c10::intrusive_ptr<c10::ivalue::Future> make_future() {
+    auto list_type = c10::ListType::create(c10::TensorType::get());
+#ifdef ODC_WITH_CUDA
+    if (done_) {
+      auto future = c10::make_intrusive<c10::ivalue::Future>(
+          list_type, std::vector<c10::Device>{c10::Device(c10::kCUDA, device_)});
+      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device_);
+      done_->block(side);
+      c10::cuda::CUDAStreamGuard on_side(side);
+      future->markCompleted(c10::IValue(outputs_));
+      return future;
+    }
+#endif
+    auto future = c10::make_intrusive<c10::ivalue::Future>(list_type);
+    future->markCompleted(c10::IValue(outputs_));
+    return future;
+  }
+
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> keep_alive_;  // inputs stay alive until the work is dropped
+  std::mutex future_mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   Transport* transport_;
 #ifdef ODC_WITH_CUDA
@@ -493,8 +520,6 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
     C10_THROW_ERROR(DistBackendError, broken_);
   }
 
-  c10::intrusive_ptr<c10::ivalue::Future> future;
-  auto list_type = c10::ListType::create(c10::TensorType::get());
 #ifdef ODC_WITH_CUDA
   if (device.is_cuda()) {
     if (async_op) {
@@ -505,20 +530,15 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
         }
       }
     }
-    future = c10::make_intrusive<c10::ivalue::Future>(list_type,
-                                                      std::vector<c10::Device>{device});
-    future->markCompleted(c10::IValue(outputs));  // records its event on op_stream
     auto done = std::make_shared<at::cuda::CUDAEvent>();
     done->record(*op_stream);
-    auto work = c10::make_intrusive<OdcWork>(getRank(), type, outputs, std::move(keep), future,
+    auto work = c10::make_intrusive<OdcWork>(getRank(), type, std::move(outputs), std::move(keep),
                                              ch.transport.get());
     work->set_done_event(std::move(done), device.index(), blocking);
     return work;
   }
 #endif
-  future = c10::make_intrusive<c10::ivalue::Future>(list_type);
-  future->markCompleted(c10::IValue(outputs));
-  return c10::make_intrusive<OdcWork>(getRank(), type, outputs, std::move(keep), future,
+  return c10::make_intrusive<OdcWork>(getRank(), type, std::move(outputs), std::move(keep),
                                       ch.transport.get());
 }
 

@@ -655,11 +655,10 @@ void CudaIpcTransport::issue_direct_signal(int lane, const std::vector<uint64_t*
     // stream sharing its hardware queue, and two ranks would wait for each other.
     fork_lane(lane);
     const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
-    // A payload needs no fence of its own: the counter's write after it has one.
-    const unsigned flags_arg =
-        payload ? CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER : CU_STREAM_WRITE_VALUE_DEFAULT;
+    // Payloads too: the v2 entry points refuse CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER.
     for (uint64_t* f : flags) {
-      if (write_value_(s, reinterpret_cast<CUdeviceptr>(f), value, flags_arg) != CUDA_SUCCESS) {
+      if (write_value_(s, reinterpret_cast<CUdeviceptr>(f), value,
+                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
         throw std::runtime_error("odc: cuStreamWriteValue64 failed");
       }
     }

@@ -64,8 +64,10 @@ def expected_odc_ops(cfg: dict, device_type: str) -> dict[str, int]:
 
 
 def _optimizer(model):
-    # as fsdp_models.build: eps well above the gradients' fp32 noise floor
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01)
+    # as fsdp_models.build: eps well above the gradients' fp32 noise floor. foreach=False: plain
+    # TP leaves some parameters plain tensors, and the foreach kernels (CUDA's default) refuse
+    # a mix of tensors and DTensors; on CPU the per-parameter loop is the default anyway.
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01, foreach=False)
 
 
 def _full(t):

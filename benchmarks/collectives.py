@@ -331,9 +331,10 @@ class Bench:
         # counts), so there it runs only when asked for.
         shared = self.cuda and self.world > torch.cuda.device_count()
         self.floor = bool(args.floor) if args.floor is not None else (lab or shared or not self.cuda)
-        # the lab's name: the GPU without its memory suffix ("NVIDIA H100 80GB HBM3" -> nvidia-h100)
-        lab_gpu = re.sub(r"-\d+gb(-.*)?$", "", slug(device_name))
-        kind = args.kind or (f"{lab_gpu}-mps-x{self.world}" if lab else f"{slug(device_name)}-x{self.world}")
+        # the GPU without its memory suffix ("NVIDIA H100 80GB HBM3" -> nvidia-h100): the
+        # machine kinds' names, so a rerun replaces its headline file
+        gpu = re.sub(r"-\d+gb(-.*)?$", "", slug(device_name))
+        kind = args.kind or (f"{gpu}-mps-x{self.world}" if lab else f"{gpu}-x{self.world}")
         date = datetime.datetime.now(datetime.timezone.utc)
         self.meta = {
             "benchmark": "collectives",

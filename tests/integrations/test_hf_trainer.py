@@ -30,8 +30,15 @@ def run_compare(work: Path, *args: str, timeout: float = 600) -> dict:
                                       timeout=timeout, verdict=True)
 
 
-def test_hf_trainer_cpu_exact_equals_single_process(tmp_path):
-    result = run_compare(tmp_path, "--device", "cpu", "--runs", "odc,single")
+@pytest.fixture(scope="module")
+def cpu_result(tmp_path_factory) -> dict:
+    """The CPU runs, each compared with one single-process reference (one compare command)."""
+    return run_compare(tmp_path_factory.mktemp("hf_cpu"), "--device", "cpu",
+                       "--runs", "odc,switch,decoupled,single")
+
+
+def test_hf_trainer_cpu_exact_equals_single_process(cpu_result):
+    result = cpu_result
     cmp = result["compare"]["odc_vs_single"]
     assert cmp["steps"] == cmp["steps_reference"] == 6, cmp
     assert cmp["losses_bitwise_equal"], cmp  # 2 ranks: every cross-rank sum has two terms
@@ -40,8 +47,8 @@ def test_hf_trainer_cpu_exact_equals_single_process(tmp_path):
     assert odc["mesh_group_backend"] == ["odc", "odc"] and odc["default_group_backends"][0]["cpu"] == "odc"
 
 
-def test_hf_trainer_cpu_switch_alone_stays_on_gloo(tmp_path):
-    result = run_compare(tmp_path, "--device", "cpu", "--runs", "switch,single")
+def test_hf_trainer_cpu_switch_alone_stays_on_gloo(cpu_result):
+    result = cpu_result
     # the switch alone: accelerate chose gloo (accelerate state.py, PartialState._prepare_backend);
     # if this changes, the switch may now reach the Trainer: update the README
     switch = result["switch"]
@@ -50,8 +57,8 @@ def test_hf_trainer_cpu_switch_alone_stays_on_gloo(tmp_path):
     assert result["compare"]["switch_vs_single"]["losses_bitwise_equal"], result["compare"]["switch_vs_single"]
 
 
-def test_hf_trainer_cpu_decoupled_callback(tmp_path):
-    result = run_compare(tmp_path, "--device", "cpu", "--runs", "decoupled,single")
+def test_hf_trainer_cpu_decoupled_callback(cpu_result):
+    result = cpu_result
     cmp = result["compare"]["decoupled_vs_single"]
     assert cmp["steps"] == 6 and cmp["max_rel_loss_diff"] <= 1e-5, cmp
     dec = result["runs"]["decoupled"]

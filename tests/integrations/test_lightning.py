@@ -28,8 +28,15 @@ def run_compare(work: Path, *args: str, timeout: float = 600) -> dict:
                                       timeout=timeout, verdict=True)
 
 
-def test_lightning_cpu_named_backend_equals_single_process_and_gloo(tmp_path):
-    result = run_compare(tmp_path, "--device", "cpu", "--runs", "odc,default,single")
+@pytest.fixture(scope="module")
+def cpu_result(tmp_path_factory) -> dict:
+    """The CPU runs, each compared with one single-process reference (one compare command)."""
+    return run_compare(tmp_path_factory.mktemp("lightning_cpu"), "--device", "cpu",
+                       "--runs", "odc,default,switch,decoupled,single")
+
+
+def test_lightning_cpu_named_backend_equals_single_process_and_gloo(cpu_result):
+    result = cpu_result
     for name in ("odc_vs_single", "default_vs_single"):
         cmp = result["compare"][name]
         assert cmp["steps"] == 6 and cmp["losses_bitwise_equal"], (name, cmp)
@@ -39,8 +46,8 @@ def test_lightning_cpu_named_backend_equals_single_process_and_gloo(tmp_path):
     assert result["runs"]["default"]["mesh_group_backend"] == ["gloo", "gloo"]
 
 
-def test_lightning_cpu_switch_and_decoupled(tmp_path):
-    result = run_compare(tmp_path, "--device", "cpu", "--runs", "switch,decoupled,single")
+def test_lightning_cpu_switch_and_decoupled(cpu_result):
+    result = cpu_result
     switch = result["runs"]["switch"]
     assert switch["odc_default_backend"] == "cpu" and switch["pg_backend_string"] == "odc"
     assert result["compare"]["switch_vs_single"]["losses_bitwise_equal"], result["compare"]["switch_vs_single"]

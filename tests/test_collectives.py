@@ -468,23 +468,32 @@ def test_async_wait_on_other_stream():
     assert not errors, "\n".join(errors)
 
 
+def _on_two_streams(n_ops, issue, what):
+    """issue(i) enqueues op i on stream i % 2 and returns its case; every case is checked
+    (labelled what(i)) once the device is idle."""
+    streams, cases, errors = [torch.cuda.Stream(), torch.cuda.Stream()], [], []
+    for i in range(n_ops):
+        with torch.cuda.stream(streams[i % 2]):
+            cases.append(issue(i))
+    torch.cuda.synchronize()
+    for i, c in enumerate(cases):
+        errors += check_case(c, what(i))
+    return errors
+
+
 def _cross_stream_worker(rank, world):
     """Collectives of one group issued on two streams, the earlier one held back: the ring's
     chunk order must still be the issue order (with 2 slots the ring wraps every 2 chunks)."""
-    dev, errors, cases = _device(), [], []
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for i in range(8):
+    dev = _device()
+
+    def issue(i):
         n = (1 << 20) if i % 3 == 0 else 1000  # copy-engine and fused operations
-        with torch.cuda.stream(streams[i % 2]):
-            c = ag_case(100 + i, n, torch.float32, rank, world, device=dev)
-            if i % 2 == 0:
-                torch.cuda._sleep(20_000_000)  # stream 0 lags: op i+1 on stream 1 could overtake
-            dist.all_gather_into_tensor(c["out"], c["inp"])
-        cases.append(c)
-    torch.cuda.synchronize()
-    for i, c in enumerate(cases):
-        errors += check_case(c, f"AG #{i} on stream {i % 2}")
-    return errors
+        c = ag_case(100 + i, n, torch.float32, rank, world, device=dev)
+        if i % 2 == 0:
+            torch.cuda._sleep(20_000_000)  # stream 0 lags: op i+1 on stream 1 could overtake
+        dist.all_gather_into_tensor(c["out"], c["inp"])
+        return c
+    return _on_two_streams(8, issue, lambda i: f"AG #{i} on stream {i % 2}")
 
 
 @gpu_test()
@@ -499,21 +508,17 @@ def _one_queue_worker(rank, world):
     """Copy-engine all-gathers and reduce-scatters on two streams, every stream of the process
     on one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1): the queue runs the lanes' steps in
     issue order, so a signal held back behind a wait would deadlock the ranks."""
-    dev, errors, cases = _device(), [], []
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for i in range(6):
-        with torch.cuda.stream(streams[i % 2]):
-            c = (ag_case(200 + i, 1 << 20, torch.bfloat16, rank, world, device=dev) if i % 2 == 0 else
-                 rs_case(200 + i, 1 << 20, torch.float32, rank, world, "sum", device=dev))
-            if i % 2 == 0:
-                dist.all_gather_into_tensor(c["out"], c["inp"])
-            else:
-                dist.reduce_scatter_tensor(c["out"], c["inp"], op=c["redop"])
-        cases.append(c)
-    torch.cuda.synchronize()
-    for i, c in enumerate(cases):
-        errors += check_case(c, f"op #{i} with one hardware queue")
-    return errors
+    dev = _device()
+
+    def issue(i):
+        if i % 2 == 0:
+            c = ag_case(200 + i, 1 << 20, torch.bfloat16, rank, world, device=dev)
+            dist.all_gather_into_tensor(c["out"], c["inp"])
+        else:
+            c = rs_case(200 + i, 1 << 20, torch.float32, rank, world, "sum", device=dev)
+            dist.reduce_scatter_tensor(c["out"], c["inp"], op=c["redop"])
+        return c
+    return _on_two_streams(6, issue, lambda i: f"op #{i} with one hardware queue")
 
 
 # Ranks sharing one GPU, each process's streams on one hardware queue: the worst aliasing of

@@ -525,11 +525,7 @@ void CudaIpcTransport::run_on_copy_engines() {
         for (int i = 0; i < s.n; ++i) {
           sigs.push_back(static_cast<uint64_t*>(const_cast<void*>(ptrs_[s.first + i])));
         }
-        if (s.kind == kStepStore && !memory_->any_routed()) {
-          issue_direct_signal(s.lane, sigs, s.value, /*payload=*/true);
-        } else {
-          issue_signal(s.lane, sigs, s.value);  // routed words keep issue order
-        }
+        issue_signal(s.lane, sigs, s.value, /*payload=*/s.kind == kStepStore);
         break;
       case kStepCopy:
         issue_copy(s.lane, s.dst, s.src, s.value);
@@ -625,7 +621,7 @@ void CudaIpcTransport::flush_signals(int lane) {
 }
 
 void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flags,
-                                    uint64_t value) {
+                                    uint64_t value, bool payload) {
   if (memory_->any_routed()) {
     std::vector<uint64_t*> direct;
     bool prepared = false;
@@ -641,10 +637,10 @@ void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flag
       }
       memory_->signal_routed(f, value, lane_stream(lane));
     }
-    if (!direct.empty()) issue_direct_signal(lane, direct, value, false);
+    if (!direct.empty()) issue_direct_signal(lane, direct, value, payload);
     return;
   }
-  issue_direct_signal(lane, flags, value, false);
+  issue_direct_signal(lane, flags, value, payload);
 }
 
 void CudaIpcTransport::issue_direct_signal(int lane, const std::vector<uint64_t*>& flags,

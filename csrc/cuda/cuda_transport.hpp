@@ -111,7 +111,8 @@ class CudaIpcTransport final : public Transport {
 
   cudaStream_t lane_stream(int lane) const;
   void flush_signals(int lane);
-  void issue_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value);
+  // payload: a Transport::store (stored before the counters' fence)
+  void issue_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value, bool payload);
   void issue_direct_signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value,
                            bool payload);
   void issue_prepare(int lane);
@@ -154,7 +155,8 @@ class CudaIpcTransport final : public Transport {
   std::vector<bool> lane_used_;
   // Signals issued on a lane are folded into that lane's next wait kernel (unless a wait on
   // another lane comes first: then they go out on their own kernel before it): up to
-  // kSignalBatches batches of counters, each with its value, stored in order.
+  // kSignalBatches batches of words, each with its value; the payload batches are stored
+  // first, then one fence, then the counters (FlagOp).
   struct PendingSignals {
     std::vector<uint64_t*> flags[kSignalBatches];
     uint64_t value[kSignalBatches] = {};

@@ -31,11 +31,10 @@ constexpr int kSignalBatches = 4;  // e.g. the announcement, descriptors, chunk 
 
 // Store the payload batches (descriptors), then one fence, then the counter batches
 // (announcing the work that precedes this kernel on its stream: Transport::signal's
-// contract; counters of one FlagOp are not ordered among themselves), then wait until
-// every wait counter
-// is >= wait_target and, with desc_expected != 0, check that the descriptor stored with
-// it equals desc_expected and its id desc_id (DescCheck); on a timeout or a mismatch
-// record it in `err` and return.
+// contract; counters of one FlagOp are not ordered among themselves). Then wait until
+// every wait counter is >= wait_target and, with desc_expected != 0, check that the
+// descriptor stored with it equals desc_expected and its id desc_id (DescCheck); on a
+// timeout or a mismatch record it in `err` and return.
 struct FlagOp {
   uint64_t* signal[kSignalBatches][kMaxPeers];
   const uint64_t* wait[kMaxPeers];

@@ -37,12 +37,25 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
+def lab_info(device: torch.device, world: int) -> dict | None:
+    """The one-GPU lab's settings when run by ``benchmarks/lab.sh`` (it sets ODC_LAB_MPS=1),
+    else None."""
+    if device.type != "cuda" or os.environ.get("ODC_LAB_MPS") != "1":
+        return None
+    return {"mps": True, "ranks_per_gpu": world,
+            "active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
+
+
 def machine_kind(device: torch.device, world: int) -> str:
-    """``$ODC_BENCH_KIND``, else ``<gpu name>-x<ranks>`` (``cpu-x<ranks>`` on CPU)."""
+    """``$ODC_BENCH_KIND``, else ``<gpu>-x<ranks>`` with the GPU's name short of its memory
+    suffix ("NVIDIA H100 80GB HBM3" -> nvidia-h100, as the machine kinds are named, so a rerun
+    replaces its headline file), ``<gpu>-mps-x<ranks>`` in the lab, ``cpu-x<ranks>`` on CPU."""
     if os.environ.get("ODC_BENCH_KIND"):
         return os.environ["ODC_BENCH_KIND"]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return f"{slug(name)}-x{world}"
+    if device.type != "cuda":
+        return f"cpu-x{world}"
+    gpu = re.sub(r"-\d+gb(-.*)?$", "", slug(torch.cuda.get_device_name(device)))
+    return f"{gpu}-mps-x{world}" if lab_info(device, world) else f"{gpu}-x{world}"
 
 
 def utc_now() -> datetime.datetime:
@@ -56,10 +69,14 @@ def result_path(out_dir: str | Path, benchmark: str, kind: str, suffix: str = ""
     return out
 
 
-def stamp(device: torch.device) -> dict:
-    """Commit, date and versions for a result file."""
+def stamp(device: torch.device, world: int | None = None) -> dict:
+    """Commit, date, versions, the lab's settings and the allocator's (for a result file)."""
     commit, dirty = git_commit()
-    return {"commit": commit, "commit_dirty": dirty,
-            "date": utc_now().isoformat(timespec="seconds"), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None}
+    out = {"commit": commit, "commit_dirty": dirty,
+           "date": utc_now().isoformat(timespec="seconds"), "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None}
+    if world is not None:
+        out["lab"] = lab_info(device, world)
+        out["pytorch_cuda_alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    return out

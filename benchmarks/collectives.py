@@ -67,7 +67,7 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch_odc_backend  # noqa: E402  (registers "odc"; imported before CUDA initialises)
-from _meta import git_commit, slug  # noqa: E402
+from _meta import git_commit, lab_info, machine_kind  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = [(1 << i) * MiB for i in range(10)]  # 1 MiB .. 512 MiB
@@ -325,16 +325,13 @@ class Bench:
                 nccl = None
         else:
             device_name, nccl = "cpu", None
-        lab = self.cuda and os.environ.get("ODC_LAB_MPS") == "1"  # set by benchmarks/lab.sh
+        lab = self.cuda and lab_info(self.device, self.world) is not None  # under benchmarks/lab.sh
         # The floor is local copies: the floor where ranks share a GPU (the lab) and on CPU; on
         # separate GPUs NVLink bounds the collectives instead (and the suite's time budget
         # counts), so there it runs only when asked for.
         shared = self.cuda and self.world > torch.cuda.device_count()
         self.floor = bool(args.floor) if args.floor is not None else (lab or shared or not self.cuda)
-        # the GPU without its memory suffix ("NVIDIA H100 80GB HBM3" -> nvidia-h100): the
-        # machine kinds' names, so a rerun replaces its headline file
-        gpu = re.sub(r"-\d+gb(-.*)?$", "", slug(device_name))
-        kind = args.kind or (f"{gpu}-mps-x{self.world}" if lab else f"{gpu}-x{self.world}")
+        kind = args.kind or machine_kind(self.device if self.cuda else torch.device("cpu"), self.world)
         date = datetime.datetime.now(datetime.timezone.utc)
         self.meta = {
             "benchmark": "collectives",
@@ -349,9 +346,7 @@ class Bench:
             "date": date.isoformat(timespec="seconds"),
             "python": sys.version.split()[0],
             "reference_backend": self.ref,
-            "lab": ({"mps": True, "ranks_per_gpu": self.world,
-                     "active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
-                    if lab else None),
+            "lab": lab_info(self.device, self.world) if self.cuda else None,
             "floor": self.floor,
             "process_groups": {"odc": default if use_odc else None,
                                self.ref: ("odc group created under ODC_MATCH_CHECK=0" if self.ref == "odc_nocheck"

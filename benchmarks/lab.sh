@@ -6,8 +6,8 @@
 #
 # What it does, in order:
 #   * exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 (NVLink
-#     multicast off) and ODC_LAB_MPS=1 (collectives.py then names its result
-#     collectives_<gpu>-mps-x<W>_<date>.json);
+#     multicast off) and ODC_LAB_MPS=1 (the benchmarks then name their results
+#     <benchmark>_<gpu>-mps-x<W>_<date>.json and record the lab's settings);
 #   * starts a private MPS control daemon (nvidia-cuda-mps-control -d) whose pipe and log
 #     directories are under a fresh mktemp -d, so it serves only this command;
 #   * with --sm-share, exports CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / W)): every rank (an MPS

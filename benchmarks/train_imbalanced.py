@@ -739,7 +739,7 @@ def main() -> int:
         out.write_text(json.dumps({
             "benchmark": "train_imbalanced", "kind": kind, "world_size": world, "model": model_kind,
             "model_shape": shape, "parameters": n_params, "device": str(device.type),
-            **_meta.stamp(device), "args": vars(args), "calibration": calibration,
+            **_meta.stamp(device, world), "args": vars(args), "calibration": calibration,
             "attention_warmup_s": warm_s,
             "cost_model": (dataclasses.asdict(cost) if dataclasses.is_dataclass(cost) else str(cost)),
             "documents": docs, "results": results, "summary": summary}, indent=1))

@@ -164,3 +164,27 @@ def test_ranks_under_mps_run(tmp_path, ranks):
     (path,) = tmp_path.glob(f"collectives_*-mps-x{ranks}_*.json")
     doc = json.loads(path.read_text())
     assert doc["complete"] and doc["summary"]["all_checks_passed"] and not doc["errors"], doc["errors"]
+
+
+def test_result_kind_names_the_lab(monkeypatch):
+    """Every benchmark names its result file alike: the GPU short of its memory suffix, -mps in
+    the lab (ODC_LAB_MPS=1, set by lab.sh), which also records the lab's settings."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import _meta
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    import torch
+
+    monkeypatch.delenv("ODC_BENCH_KIND", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.delenv("ODC_LAB_MPS", raising=False)
+    assert _meta.machine_kind(gpu, 2) == "nvidia-h100-x2" and _meta.lab_info(gpu, 2) is None
+    monkeypatch.setenv("ODC_LAB_MPS", "1")
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+    assert _meta.machine_kind(gpu, 2) == "nvidia-h100-mps-x2"
+    assert _meta.lab_info(gpu, 2) == {"mps": True, "ranks_per_gpu": 2, "active_thread_percentage": "50"}
+    assert _meta.machine_kind(cpu, 2) == "cpu-x2" and _meta.lab_info(cpu, 2) is None
+    monkeypatch.setenv("ODC_BENCH_KIND", "custom")
+    assert _meta.machine_kind(gpu, 2) == "custom"

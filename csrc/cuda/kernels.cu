@@ -1,6 +1,8 @@
 // Layer 2, a transport's kernels (kernels.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -174,6 +176,42 @@ __device__ __forceinline__ A combine(A a, A b) {
   }
 }
 
+// The vectors from `from_vec` on, then (when unaligned) the elements: one per thread,
+// strided by the grid, in source order (the two reduce kernels' remainders).
+template <typename T, Combine C>
+__device__ __forceinline__ void reduce_rest(const ReduceOpArgs& a, size_t from_vec, size_t tid,
+                                            size_t threads, typename AccOf<T>::type scale, bool scaled) {
+  using A = typename AccOf<T>::type;
+  constexpr int V = 16 / sizeof(T);
+  union U { uint4 raw; T e[V]; };
+  const size_t nvec = a.vectorized ? a.numel / V : 0;
+  const uint4* const* src = reinterpret_cast<const uint4* const*>(a.src);
+  uint4* dst = static_cast<uint4*>(a.dst);
+  auto finish = [&](A v) { return from_acc<T, A>(scaled ? static_cast<A>(v * scale) : v); };
+  for (size_t i = from_vec + tid; i < nvec; i += threads) {  // the vectors left over
+    A acc[V];
+    U u;
+    u.raw = src[0][i];
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[k] = to_acc<T, A>(u.e[k]);
+    for (int j = 1; j < a.n_src; ++j) {
+      u.raw = src[j][i];
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = combine<C>(acc[k], to_acc<T, A>(u.e[k]));
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) u.e[k] = finish(acc[k]);
+    dst[i] = u.raw;
+  }
+  for (size_t i = nvec * V + tid; i < a.numel; i += threads) {  // elements, when unaligned
+    A acc = to_acc<T, A>(static_cast<const T*>(a.src[0])[i]);
+    for (int j = 1; j < a.n_src; ++j) {
+      acc = combine<C>(acc, to_acc<T, A>(static_cast<const T*>(a.src[j])[i]));
+    }
+    static_cast<T*>(a.dst)[i] = finish(acc);
+  }
+}
+
 // out = combine_j src[j] in source (rank) order, in the accumulation type, times the scale
 // for a scaled Sum. A few blocks must stream at HBM speed, so each thread keeps kUnroll
 // 16-byte loads of every source in flight before it accumulates (memory-level
@@ -234,28 +272,78 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceOpArgs a) 
       dst[base + r * threads] = u[0][r].raw;
     }
   }
-  for (size_t i = full + tid; i < nvec; i += threads) {  // the vectors left over
-    A acc[V];
-    U u;
-    u.raw = src[0][i];
-#pragma unroll
-    for (int k = 0; k < V; ++k) acc[k] = to_acc<T, A>(u.e[k]);
-    for (int j = 1; j < a.n_src; ++j) {
-      u.raw = src[j][i];
-#pragma unroll
-      for (int k = 0; k < V; ++k) acc[k] = combine<C>(acc[k], to_acc<T, A>(u.e[k]));
+  reduce_rest<T, C>(a, full, tid, threads, scale, scaled);
+}
+
+// ---- The floating-point Sum (the gradients' reductions) through shared memory.
+// A block streams only as fast as the bytes it keeps in flight allow (Little's law, with
+// about a microsecond of latency under load, more across NVLink). The register kernel above
+// holds 64 KiB per block and needs 16 blocks for HBM speed; here cp.async keeps kStages
+// tiles in flight in shared memory (about kPipeBytes per block) without holding registers,
+// so half the blocks stream as much. Same sums in the same order: bitwise equal results.
+// Each thread reads back only the slots it filled itself, so no block barrier is needed.
+constexpr int kPipeBytes = 128 * 1024;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// A tile is `per_thread` vectors of every source per thread; tiles go to blocks round robin.
+template <typename T, int kStages>
+__global__ void __launch_bounds__(kReduceThreads) reduce_pipelined_kernel(ReduceOpArgs a, int per_thread) {
+  extern __shared__ uint4 slots[];  // [stage][source][vector of the thread][thread]
+  const float scale = a.scale_ptr ? *a.scale_ptr : static_cast<float>(a.scale);
+  const bool scaled = a.scale_ptr != nullptr || a.scale != 1.0;
+  constexpr int V = 16 / sizeof(T);
+  union U { uint4 raw; T e[V]; };
+  const int n = a.n_src, R = per_thread;
+  const size_t bd = blockDim.x, tile_vecs = bd * R;
+  const size_t n_tiles = a.numel / V / tile_vecs;  // launched for vectorized inputs only
+  const size_t mine = blockIdx.x < n_tiles ? (n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const uint4* const* src = reinterpret_cast<const uint4* const*>(a.src);
+  uint4* dst = static_cast<uint4*>(a.dst);
+  auto slot = [&](size_t i, int j, int r) {
+    return &slots[((i % kStages * n + j) * R + r) * bd + threadIdx.x];
+  };
+  auto first_vec = [&](size_t i) { return (blockIdx.x + i * gridDim.x) * tile_vecs + threadIdx.x; };
+  auto issue = [&](size_t i) {
+    if (i < mine) {
+      const size_t v = first_vec(i);
+      for (int j = 0; j < n; ++j)
+        for (int r = 0; r < R; ++r) cp_async16(slot(i, j, r), src[j] + v + r * bd);
     }
+    cp_async_commit();  // past the end an empty group: the wait below counts uniformly
+  };
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  for (size_t i = 0; i < mine; ++i) {
+    issue(i + kStages - 1);
+    cp_async_wait<kStages - 1>();  // tile i has landed (this thread's copies)
+    const size_t v = first_vec(i);
+    for (int r = 0; r < R; ++r) {
+      float acc[V];
+      U u;
+      u.raw = *slot(i, 0, r);
 #pragma unroll
-    for (int k = 0; k < V; ++k) u.e[k] = finish(acc[k]);
-    dst[i] = u.raw;
-  }
-  for (size_t i = nvec * V + tid; i < a.numel; i += threads) {  // elements, when unaligned
-    A acc = to_acc<T, A>(static_cast<const T*>(a.src[0])[i]);
-    for (int j = 1; j < a.n_src; ++j) {
-      acc = combine<C>(acc, to_acc<T, A>(static_cast<const T*>(a.src[j])[i]));
+      for (int k = 0; k < V; ++k) acc[k] = to_f<T>(u.e[k]);
+      for (int j = 1; j < n; ++j) {
+        u.raw = *slot(i, j, r);
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] += to_f<T>(u.e[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) u.e[k] = from_f<T>(scaled ? acc[k] * scale : acc[k]);
+      dst[v + r * bd] = u.raw;
     }
-    static_cast<T*>(a.dst)[i] = finish(acc);
   }
+  cp_async_wait<0>();
+  reduce_rest<T, Combine::Sum>(a, n_tiles * tile_vecs, blockIdx.x * bd + threadIdx.x,
+                               gridDim.x * bd, scale, scaled);
 }
 
 // ---- The fused small-operation kernel (one block per lane).
@@ -485,6 +573,48 @@ const void* reduce_kernel_of(DType d, Combine c) {
   }
   return nullptr;
 }
+
+template <typename T>
+const void* pipelined_kernel_of(int stages) {
+  return stages == 4 ? reinterpret_cast<const void*>(reduce_pipelined_kernel<T, 4>)
+                     : reinterpret_cast<const void*>(reduce_pipelined_kernel<T, 2>);
+}
+
+const void* pipelined_kernel_of(DType d, int stages) {
+  switch (d) {
+    case DType::F32: return pipelined_kernel_of<float>(stages);
+    case DType::BF16: return pipelined_kernel_of<__nv_bfloat16>(stages);
+    case DType::F16: return pipelined_kernel_of<__half>(stages);
+    default: return nullptr;
+  }
+}
+
+// Opt-in shared memory per block of this process's devices (0: not yet known).
+std::atomic<int> g_pipe_smem_limit{0};
+
+struct PipelinedReduce {
+  const void* kernel = nullptr;  // null: the register kernel serves
+  int per_thread = 0;
+  size_t smem_bytes = 0;
+};
+
+// The pipelined kernel for a floating-point Sum of aligned inputs whose tiles fit in
+// shared memory: 4 stages up to 4 sources, else 2; vectors per thread fill kPipeBytes.
+PipelinedReduce pipelined_reduce(const ReduceOpArgs& a, DType d, Combine c) {
+  PipelinedReduce p;
+  if (c != Combine::Sum || !a.vectorized || a.n_src < 1) return p;
+  const void* k4 = pipelined_kernel_of(d, 4);
+  if (!k4) return p;
+  const int stages = a.n_src <= 4 ? 4 : 2;
+  const size_t per_vec = static_cast<size_t>(stages) * a.n_src * 16 * kReduceThreads;
+  const int per_thread = static_cast<int>(std::max<size_t>(1, kPipeBytes / per_vec));
+  const size_t smem = per_vec * per_thread;
+  if (smem > static_cast<size_t>(g_pipe_smem_limit.load(std::memory_order_relaxed))) return p;
+  p.kernel = stages == 4 ? k4 : pipelined_kernel_of(d, 2);
+  p.per_thread = per_thread;
+  p.smem_bytes = smem;
+  return p;
+}
 }  // namespace
 
 cudaError_t preload_kernels() {
@@ -499,6 +629,23 @@ cudaError_t preload_kernels() {
       e = cudaFuncGetAttributes(&attr, reduce_kernel_of(static_cast<DType>(d), static_cast<Combine>(c)));
     }
   }
+  // The pipelined reductions may use the device's whole opt-in shared memory per block.
+  int device = 0, optin = 0;
+  if (e == cudaSuccess) e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  for (DType d : {DType::F32, DType::BF16, DType::F16}) {
+    for (int stages : {2, 4}) {
+      if (e == cudaSuccess) {
+        e = cudaFuncSetAttribute(pipelined_kernel_of(d, stages),
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+      }
+    }
+  }
+  if (e == cudaSuccess) {  // the smallest of the devices this process set up
+    int seen = g_pipe_smem_limit.load();
+    while ((seen == 0 || optin < seen) && !g_pipe_smem_limit.compare_exchange_weak(seen, optin)) {
+    }
+  }
   return e;
 }
 
@@ -509,6 +656,11 @@ cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine
   const int needed = static_cast<int>((args.numel + per_block - 1) / per_block);
   const int grid = needed < blocks ? (needed > 0 ? needed : 1) : blocks;
   ReduceOpArgs a = args;
+  const PipelinedReduce p = pipelined_reduce(a, dtype, combine);
+  if (p.kernel) {
+    void* params[] = {&a, const_cast<int*>(&p.per_thread)};
+    return cudaLaunchKernel(p.kernel, dim3(grid), dim3(kThreads), params, p.smem_bytes, stream);
+  }
   void* params[] = {&a};
   return cudaLaunchKernel(reduce_kernel_of(dtype, combine), dim3(grid), dim3(kThreads), params, 0,
                           stream);

@@ -109,9 +109,11 @@ Channel make_channel(const c10::Device& device, const Options& options,
                   " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
 #endif
       }
+      bool other_gpus = false;  // some peer on another GPU of this host (CUDA IPC over NVLink)
+      for (int r = 0; r < size; ++r) other_gpus = other_gpus || (!routed[r] && places[r] != places[rank]);
       ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), o.reduce_blocks,
                                                         o.accumulate_blocks, o.small_op_bytes,
-                                                        o.stream_memops, std::move(memory));
+                                                        o.stream_memops, other_gpus, std::move(memory));
       c10::cuda::CUDAGuard g(device.index());
       cudaStream_t s;
       int lo = 0, hi = 0;

@@ -95,6 +95,7 @@ struct ReduceSpec {
   Combine combine = Combine::Sum;
   double scale = 1.0;                  // Sum of floats: AVG: 1/world; PREMUL_SUM: factor
   const float* scale_ptr = nullptr;    // PREMUL_SUM with a tensor factor (converted to fp32)
+  bool reads_peers = false;            // sources in peers' memory (zero-copy), not this rank's window
 };
 
 // Byte layout of a window; identical on every rank of a group.

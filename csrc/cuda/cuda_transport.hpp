@@ -40,9 +40,10 @@ namespace odc {
 
 class CudaIpcTransport final : public Transport {
  public:
-  // memory: nullptr for CUDA IPC.
+  // memory: nullptr for CUDA IPC. peers_on_other_gpus: some peer's memory is across NVLink
+  // (not this GPU's, as for ranks sharing it).
   CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks, int accumulate_blocks,
-                   size_t small_op_bytes, bool stream_memops,
+                   size_t small_op_bytes, bool stream_memops, bool peers_on_other_gpus,
                    std::unique_ptr<DeviceMemory> memory = nullptr);
   ~CudaIpcTransport() override;
 
@@ -137,6 +138,7 @@ class CudaIpcTransport final : public Transport {
   int device_;
   std::unique_ptr<DeviceMemory> memory_;
   int reduce_blocks_;
+  bool peers_on_other_gpus_;
   int accumulate_blocks_;  // blocks of each peer's put-accumulate kernel (decoupled mode)
   size_t small_op_bytes_;
   std::vector<Step> steps_;

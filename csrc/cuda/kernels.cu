@@ -278,10 +278,11 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceOpArgs a) 
 // ---- The floating-point Sum (the gradients' reductions) through the TMA engine.
 // One thread has the SM's bulk-copy (TMA) engine stream tiles of every source into shared
 // memory, kPipeStages tiles ahead; the block sums them from there. Measured on H100 (bf16,
-// 2 sources): a block moves about 73 GB/s either way from local memory (the SM's own limit),
-// but from a peer over NVLink the register kernel's loads fall to about 51 GB/s per block
-// (latency-bound) while the bulk copies keep about 73. Same sums in the same order as
-// reduce_kernel: bitwise equal results. Hopper (sm_90) and later.
+// 2 sources, one of them a peer's): a block of the register kernel reads across NVLink at
+// about 51 GB/s (latency-bound), one of this kernel at about 69; from this GPU's own memory
+// the register kernel is as fast or a little faster (73 against 68 GB/s, 2 to 8 sources), so
+// the transport asks for this kernel only where sources lie on other GPUs. Same sums in the
+// same order as reduce_kernel: bitwise equal results. Hopper (sm_90) and later.
 constexpr int kPipeStages = 4;
 constexpr int kPipeBytes = 192 * 1024;  // shared memory per block, at most (the device's opt-in)
 
@@ -663,13 +664,13 @@ cudaError_t preload_kernels() {
 }
 
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine, int blocks,
-                          cudaStream_t stream) {
+                          bool bulk, cudaStream_t stream) {
   constexpr int kThreads = kReduceThreads;
   const size_t per_block = static_cast<size_t>(kThreads) * 8 * kUnroll;
   const int needed = static_cast<int>((args.numel + per_block - 1) / per_block);
   const int grid = needed < blocks ? (needed > 0 ? needed : 1) : blocks;
   ReduceOpArgs a = args;
-  BulkReduce b = bulk_reduce(a, dtype, combine);
+  BulkReduce b = bulk ? bulk_reduce(a, dtype, combine) : BulkReduce{};
   if (b.kernel) {
     void* params[] = {&a, &b.chunk};
     return cudaLaunchKernel(b.kernel, dim3(grid), dim3(kThreads), params, b.smem_bytes, stream);

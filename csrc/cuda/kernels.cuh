@@ -118,9 +118,11 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
 // running flag kernel may be waiting for a peer that is itself stuck loading:
 // a cross-rank deadlock. Loading up front removes it.
 cudaError_t preload_kernels();
-// dst = combine of the sources in rank order (ReduceSpec's semantics: layout.hpp).
+// dst = combine of the sources in rank order (ReduceSpec's semantics: layout.hpp). `bulk`:
+// the floating-point Sum may stream its sources through the TMA engine (worth it where some
+// are read across NVLink; kernels.cu).
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine, int blocks,
-                          cudaStream_t stream);
+                          bool bulk, cudaStream_t stream);
 // dst[i] += src[i] with system-scope atomics (dst may be a peer's memory; other GPUs add
 // into it concurrently); src in `dtype`, dst fp32.
 cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType dtype, int blocks,

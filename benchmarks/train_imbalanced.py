@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -621,8 +622,13 @@ def main() -> int:
     straggler = Straggler(args.straggler, rank, device, cost)
 
     results = {}
+    model = opt = run = prof = None
     for name in names:
         decoupled = name.startswith("decoupled")
+        # FSDP2's reference cycles keep the previous configuration's model, gradients and
+        # optimizer state alive until a collection: without one they count in this one's peak
+        model = opt = run = prof = None
+        gc.collect()
         if use_cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)

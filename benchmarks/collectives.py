@@ -325,12 +325,12 @@ class Bench:
                 nccl = None
         else:
             device_name, nccl = "cpu", None
-        lab = self.cuda and lab_info(self.device, self.world) is not None  # under benchmarks/lab.sh
+        lab = lab_info(self.device, self.world) if self.cuda else None  # under benchmarks/lab.sh
         # The floor is local copies: the floor where ranks share a GPU (the lab) and on CPU; on
         # separate GPUs NVLink bounds the collectives instead (and the suite's time budget
         # counts), so there it runs only when asked for.
         shared = self.cuda and self.world > torch.cuda.device_count()
-        self.floor = bool(args.floor) if args.floor is not None else (lab or shared or not self.cuda)
+        self.floor = bool(args.floor) if args.floor is not None else (lab is not None or shared or not self.cuda)
         kind = args.kind or machine_kind(self.device if self.cuda else torch.device("cpu"), self.world)
         date = datetime.datetime.now(datetime.timezone.utc)
         self.meta = {
@@ -346,7 +346,7 @@ class Bench:
             "date": date.isoformat(timespec="seconds"),
             "python": sys.version.split()[0],
             "reference_backend": self.ref,
-            "lab": lab_info(self.device, self.world) if self.cuda else None,
+            "lab": lab,
             "floor": self.floor,
             "process_groups": {"odc": default if use_odc else None,
                                self.ref: ("odc group created under ODC_MATCH_CHECK=0" if self.ref == "odc_nocheck"

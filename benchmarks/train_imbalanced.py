@@ -622,7 +622,6 @@ def main() -> int:
     straggler = Straggler(args.straggler, rank, device, cost)
 
     results = {}
-    model = opt = run = prof = None
     for name in names:
         decoupled = name.startswith("decoupled")
         # FSDP2's reference cycles keep the previous configuration's model, gradients and

@@ -376,9 +376,9 @@ void Protocol::reduce_scatter_registered(void* out, const std::vector<const char
   }
   std::vector<const void*> srcs;  // this rank's part of every rank's input, in rank order
   for (int r = 0; r < world_; ++r) srcs.push_back(in_at[r] + static_cast<size_t>(rank_) * part_bytes);
-  ReduceSpec in_place = spec;
-  in_place.reads_peers = world_ > 1;
-  if (out_numel) t_->reduce(0, out, srcs, out_numel, in_place);
+  ReduceSpec from_peers = spec;
+  from_peers.reads_peers = world_ > 1;
+  if (out_numel) t_->reduce(0, out, srcs, out_numel, from_peers);
   if (world_ > 1) {
     registered_done(1, 0, peers, id.number);
     registered_finish(1, peers, id.number, {"reduce_scatter", "the reads of this rank's input by", op_seq});

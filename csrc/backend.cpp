@@ -32,7 +32,8 @@ namespace {
 
 // The Work of a one-sided collective. CPU work is complete when returned; CUDA
 // work completes on the operation's stream, and wait() only makes the caller's
-// current stream wait for it (the CPU never blocks). Its Future is made on the first
+// current stream wait for it (the CPU never blocks; nothing to do where the current stream
+// is the operation's, as for async_op=False). Its Future is made on the first
 // getFuture(): most callers never ask, and making one costs an event and a walk of the
 // outputs on every collective.
 class OdcWork final : public c10d::Work {
@@ -45,10 +46,12 @@ class OdcWork final : public c10d::Work {
         transport_(transport) {}
 
 #ifdef ODC_WITH_CUDA
-  // blocking: wait() blocks the host until the work is done (a barrier's work, as NCCL's)
-  void set_done_event(std::shared_ptr<at::cuda::CUDAEvent> ev, c10::DeviceIndex dev,
+  // done: a cudaEvent_t (Transport::completion) recorded on op_stream. blocking: wait()
+  // blocks the host until the work is done (a barrier's work, as NCCL's)
+  void set_done_event(std::shared_ptr<void> done, void* op_stream, c10::DeviceIndex dev,
                       bool blocking) {
-    done_ = std::move(ev);
+    done_ = std::move(done);
+    op_stream_ = op_stream;
     device_ = dev;
     blocking_ = blocking;
   }
@@ -57,7 +60,12 @@ class OdcWork final : public c10d::Work {
   bool isCompleted() override {
     raise_async_error();
 #ifdef ODC_WITH_CUDA
-    if (done_) return done_->query();
+    if (done_) {
+      const cudaError_t e = cudaEventQuery(event());
+      if (e == cudaErrorNotReady) (void)cudaGetLastError();
+      else C10_CUDA_CHECK(e);
+      return e == cudaSuccess;
+    }
 #endif
     return true;
   }
@@ -67,10 +75,11 @@ class OdcWork final : public c10d::Work {
     raise_async_error();
 #ifdef ODC_WITH_CUDA
     if (done_ && blocking_) {
-      done_->synchronize();  // a device-side timeout ends the wait too
+      C10_CUDA_CHECK(cudaEventSynchronize(event()));  // a device-side timeout ends the wait too
       raise_async_error();
     } else if (done_) {
-      done_->block(c10::cuda::getCurrentCUDAStream(device_));
+      cudaStream_t current = c10::cuda::getCurrentCUDAStream(device_).stream();
+      if (current != op_stream_) C10_CUDA_CHECK(cudaStreamWaitEvent(current, event(), 0));
     }
 #endif
     return true;
@@ -99,7 +108,7 @@ class OdcWork final : public c10d::Work {
       auto future = c10::make_intrusive<c10::ivalue::Future>(
           list_type, std::vector<c10::Device>{c10::Device(c10::kCUDA, device_)});
       c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device_);
-      done_->block(side);
+      C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), event(), 0));
       c10::cuda::CUDAStreamGuard on_side(side);
       future->markCompleted(c10::IValue(outputs_));
       return future;
@@ -116,7 +125,9 @@ class OdcWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   Transport* transport_;
 #ifdef ODC_WITH_CUDA
-  std::shared_ptr<at::cuda::CUDAEvent> done_;
+  cudaEvent_t event() const { return static_cast<cudaEvent_t>(done_.get()); }
+  std::shared_ptr<void> done_;
+  void* op_stream_ = nullptr;
   c10::DeviceIndex device_ = 0;
   bool blocking_ = false;
 #endif
@@ -471,7 +482,7 @@ uint64_t OdcBackend::desc(OpKind kind, const at::Tensor& t, uint64_t bytes, RedO
 c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, bool async_op,
                                                   c10d::OpType type, std::vector<at::Tensor> outputs,
                                                   std::vector<at::Tensor> keep, const Body& body,
-                                                  bool blocking) {
+                                                  bool blocking, bool ends_with_op) {
   settle_default_backend_type();
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
@@ -494,9 +505,8 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
     if (async_op) {
       op_stream = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(ch.async_stream),
                                                    device.index());
-      at::cuda::CUDAEvent ready;
-      ready.record(current);
-      ready.block(*op_stream);
+      const std::shared_ptr<void> ready = ch.transport->completion(current.stream(), false);
+      C10_CUDA_CHECK(cudaStreamWaitEvent(op_stream->stream(), static_cast<cudaEvent_t>(ready.get()), 0));
     }
     stream = op_stream->stream();
     on_op_stream.emplace(*op_stream);
@@ -530,11 +540,10 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
         }
       }
     }
-    auto done = std::make_shared<at::cuda::CUDAEvent>();
-    done->record(*op_stream);
     auto work = c10::make_intrusive<OdcWork>(getRank(), type, std::move(outputs), std::move(keep),
                                              ch.transport.get());
-    work->set_done_event(std::move(done), device.index(), blocking);
+    work->set_done_event(ch.transport->completion(stream, ends_with_op), stream, device.index(),
+                         blocking);
     return work;
   }
 #endif
@@ -613,7 +622,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
     ch.transport->end_op();
     count(ag ? "all_gather_ops" : "reduce_scatter_ops", 1);
     count(ag ? "all_gather_bytes" : "reduce_scatter_bytes", bytes);
-  });
+  }, /*blocking=*/false, /*ends_with_op=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,

@@ -169,12 +169,13 @@ class OdcBackend final : public c10d::Backend {
                 bool reduces = false, int root = 0) const;
   // Runs body(channel, stream, seq) as one collective on `device`: on the caller's current
   // stream (async_op: the group's side stream, after the current one), with scratch tensors
-  // allocated on that stream; a failure breaks the group; returns its Work.
+  // allocated on that stream; a failure breaks the group; returns its Work. ends_with_op: the
+  // body's last action on the stream is a transport operation, whose end event the Work reuses.
   using Body = std::function<void(Channel&, void* stream, uint64_t seq)>;
   c10::intrusive_ptr<c10d::Work> launch(const c10::Device& device, bool async_op,
                                         c10d::OpType type, std::vector<at::Tensor> outputs,
                                         std::vector<at::Tensor> keep, const Body& body,
-                                        bool blocking = false);
+                                        bool blocking = false, bool ends_with_op = false);
   // ---- The collectives odc serves itself (own_collectives.cpp), when serves_itself().
   void own_all_reduce(Channel& ch, void* stream, uint64_t seq, const at::Tensor& t,
                       const ReduceSpec& spec, uint64_t rs_desc, uint64_t ag_desc);

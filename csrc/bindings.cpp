@@ -70,6 +70,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("reduce_blocks", &O::reduce_blocks, "ODC_REDUCE_BLOCKS")
       .def_readwrite("accumulate_blocks", &O::accumulate_blocks, "ODC_ACCUMULATE_BLOCKS")
       .def_readwrite("small_op_bytes", &O::small_op_bytes, "ODC_SMALL_OP_BYTES (0: no fused op)")
+      .def_readwrite("fused_blocks", &O::fused_blocks, "ODC_FUSED_BLOCKS")
       .def_readwrite("stream_memops", &O::stream_memops, "ODC_STREAM_MEMOPS")
       .def_readwrite("transport", &O::transport, "ODC_TRANSPORT")
       .def_readwrite("host_size", &O::host_size, "ODC_HOST_SIZE (0: one host)")

@@ -113,6 +113,7 @@ Channel make_channel(const c10::Device& device, const Options& options,
       for (int r = 0; r < size; ++r) other_gpus = other_gpus || (!routed[r] && places[r] != places[rank]);
       ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), o.reduce_blocks,
                                                         o.accumulate_blocks, o.small_op_bytes,
+                                                        o.fused_blocks,
                                                         o.stream_memops, other_gpus, std::move(memory));
       c10::cuda::CUDAGuard g(device.index());
       cudaStream_t s;

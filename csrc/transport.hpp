@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -70,6 +71,11 @@ class Transport {
   enum Ring : int { kAgRing = 0, kRsRing, kArenaGetRing, kArenaPutRing, kArenaSyncRing, kNumRings };
   virtual void begin_op(void* stream, Ring ring) {}
   virtual void end_op() {}
+  // A device transport: an event (a cudaEvent_t, shared) that completes with the work issued
+  // so far on `stream`. after_last_op: the caller issued nothing on the stream since this
+  // transport's last operation, whose own end event then serves (no new record). Null for
+  // host transports, whose work is done when they return.
+  virtual std::shared_ptr<void> completion(void* stream, bool after_last_op) { return nullptr; }
   // A failure recorded asynchronously (e.g. by a device-side wait), or "".
   virtual std::string async_error() { return {}; }
   // The peers' announcements the waits of the collective in progress watch (PeerWatch;

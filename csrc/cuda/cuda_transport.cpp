@@ -14,20 +14,25 @@ void check(cudaError_t e, const char* what) {
   }
 }
 
+// Makes `dev` current for the scope; no driver call where it already is (the usual case).
 struct DeviceGuard {
   int prev = 0;
   explicit DeviceGuard(int dev) {
     check(cudaGetDevice(&prev), "cudaGetDevice");
-    check(cudaSetDevice(dev), "cudaSetDevice");
+    if (prev != dev) check(cudaSetDevice(dev), "cudaSetDevice");
   }
-  ~DeviceGuard() { (void)cudaSetDevice(prev); }
+  ~DeviceGuard() {
+    int now = 0;
+    if (cudaGetDevice(&now) == cudaSuccess && now != prev) (void)cudaSetDevice(prev);
+  }
 };
 
 }  // namespace
 
 CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
-                                   int accumulate_blocks, size_t small_op_bytes, bool stream_memops,
-                                   bool peers_on_other_gpus, std::unique_ptr<DeviceMemory> memory)
+                                   int accumulate_blocks, size_t small_op_bytes, int fused_blocks,
+                                   bool stream_memops, bool peers_on_other_gpus,
+                                   std::unique_ptr<DeviceMemory> memory)
     : a_(args),
       device_(device),
       memory_(memory ? std::move(memory) : make_ipc_memory(device)),
@@ -35,6 +40,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
       peers_on_other_gpus_(peers_on_other_gpus),
       accumulate_blocks_(accumulate_blocks),
       small_op_bytes_(small_op_bytes),
+      fused_blocks_(fused_blocks),
       bases_(args.world, nullptr) {
   if (a_.world > kMaxPeers) {
     throw std::runtime_error("odc: the CUDA IPC transport supports groups of at most " +
@@ -42,6 +48,9 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
   }
   DeviceGuard g(device_);
   check(preload_kernels(), "loading the transport's kernels");
+  const size_t arrival_bytes = sizeof(unsigned) * kFusedArrivalsPerOp * kNumRings;
+  check(cudaMalloc(reinterpret_cast<void**>(&arrivals_), arrival_bytes), "allocating the fused kernel's counters");
+  check(cudaMemset(arrivals_, 0, arrival_bytes), "zeroing the fused kernel's counters");
   bases_ = memory_->open(a_, "ipc", a_.layout.total, "communication window");
   check(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),
                       cudaHostAllocMapped),
@@ -106,18 +115,33 @@ void CudaIpcTransport::load_memops() {
   write_value_ = reinterpret_cast<WriteValueFn>(write_fn);
 }
 
-cudaEvent_t CudaIpcTransport::pooled_event() {
+EventPool::~EventPool() {
+  for (cudaEvent_t ev : free_) (void)cudaEventDestroy(ev);
+}
+
+cudaEvent_t EventPool::take() {
   {
-    std::lock_guard<std::mutex> lk(wd_mu_);
-    if (!event_pool_.empty()) {
-      cudaEvent_t ev = event_pool_.back();
-      event_pool_.pop_back();
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!free_.empty()) {
+      cudaEvent_t ev = free_.back();
+      free_.pop_back();
       return ev;
     }
   }
   cudaEvent_t ev;
   check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "creating an event");
   return ev;
+}
+
+void EventPool::give(cudaEvent_t ev) {
+  std::lock_guard<std::mutex> lk(mu_);
+  free_.push_back(ev);
+}
+
+std::shared_ptr<void> EventPool::share(cudaEvent_t ev) {
+  return std::shared_ptr<void>(ev, [pool = shared_from_this()](void* e) {
+    pool->give(static_cast<cudaEvent_t>(e));
+  });
 }
 
 // Polls the tracked operations. An operation counts as started once the GPU has
@@ -134,8 +158,8 @@ void CudaIpcTransport::watchdog_loop() {
     const auto now = std::chrono::steady_clock::now();
     for (auto it = tracked_.begin(); it != tracked_.end();) {
       if (cudaEventQuery(it->end) == cudaSuccess) {
-        event_pool_.push_back(it->start);
-        event_pool_.push_back(it->end);
+        events_->give(it->start);
+        events_->give(it->end);
         it = tracked_.erase(it);
         continue;
       }
@@ -256,10 +280,8 @@ CudaIpcTransport::~CudaIpcTransport() {
     (void)cudaEventDestroy(t.start);
     (void)cudaEventDestroy(t.end);
   }
-  for (auto ev : event_pool_) (void)cudaEventDestroy(ev);
-  for (auto ev : ring_done_) {
-    if (ev) (void)cudaEventDestroy(ev);
-  }
+  for (auto& ev : ring_done_) ev.reset();
+  last_done_.reset();
   if (wd_stream_) (void)cudaStreamDestroy(wd_stream_);
   for (auto& [stream, l] : lanes_) {
     for (auto s : l.side) (void)cudaStreamDestroy(s);
@@ -269,6 +291,7 @@ CudaIpcTransport::~CudaIpcTransport() {
   memory_->close(a_, bases_);
   for (auto& a : arenas_) memory_->close(a_, a);
   if (err_host_) (void)cudaFreeHost(err_host_);
+  if (arrivals_) (void)cudaFree(arrivals_);
   if (switched) (void)cudaSetDevice(prev);
 }
 
@@ -295,6 +318,7 @@ CudaIpcTransport::Lanes& CudaIpcTransport::lanes_for(cudaStream_t stream) {
 void CudaIpcTransport::begin_op(void* stream, Ring ring) {
   op_stream_ = static_cast<cudaStream_t>(stream);
   ring_ = ring;
+  last_done_.reset();
   steps_.clear();
   ptrs_.clear();
   peers_.clear();
@@ -358,18 +382,16 @@ void CudaIpcTransport::end_op() {
   if (steps_.empty()) return;
   // A ring's chunk counters assume its operations run in issue order: one issued on
   // another stream than the previous one on this ring first waits for that one.
-  if (!ring_done_[ring_]) {
-    check(cudaEventCreateWithFlags(&ring_done_[ring_], cudaEventDisableTiming),
-          "creating an event");
-  } else if (ring_stream_[ring_] != op_stream_) {
-    check(cudaStreamWaitEvent(op_stream_, ring_done_[ring_], 0), "ordering after the ring's last op");
+  auto event = [](const std::shared_ptr<void>& e) { return static_cast<cudaEvent_t>(e.get()); };
+  if (ring_done_[ring_] && ring_stream_[ring_] != op_stream_) {
+    check(cudaStreamWaitEvent(op_stream_, event(ring_done_[ring_]), 0), "ordering after the ring's last op");
   }
   if (ring_ == kArenaSyncRing) {
     // A minibatch's sync (Done signals, taking the accumulators) comes after every
     // accumulate and get issued before it, whatever streams FSDP issued them on.
     for (Ring r : {kArenaPutRing, kArenaGetRing}) {
       if (ring_done_[r] && ring_stream_[r] != op_stream_) {
-        check(cudaStreamWaitEvent(op_stream_, ring_done_[r], 0), "ordering the sync");
+        check(cudaStreamWaitEvent(op_stream_, event(ring_done_[r]), 0), "ordering the sync");
       }
     }
   }
@@ -378,8 +400,21 @@ void CudaIpcTransport::end_op() {
   } else {
     run_on_copy_engines();
   }
-  check(cudaEventRecord(ring_done_[ring_], op_stream_), "recording the ring's last op");
+  // A new event per op (a Work may still hold the last one: completion()); the pool
+  // recycles them.
+  ring_done_[ring_] = events_->share(events_->take());
+  check(cudaEventRecord(event(ring_done_[ring_]), op_stream_), "recording the ring's last op");
   ring_stream_[ring_] = op_stream_;
+  last_done_ = ring_done_[ring_];
+}
+
+std::shared_ptr<void> CudaIpcTransport::completion(void* stream, bool after_last_op) {
+  if (after_last_op && last_done_ && ring_stream_[ring_] == stream) return last_done_;
+  DeviceGuard g(device_);
+  std::shared_ptr<void> done = events_->share(events_->take());
+  check(cudaEventRecord(static_cast<cudaEvent_t>(done.get()), static_cast<cudaStream_t>(stream)),
+        "recording a collective's end");
+  return done;
 }
 
 // ---- The fused engine.
@@ -394,35 +429,13 @@ bool CudaIpcTransport::fusable() const {
     if (s.kind == kStepAccumulate || s.kind == kStepZero) return false;
     if (s.kind == kStepCopy && s.value > small_op_bytes_) return false;
     if (s.kind == kStepReduce &&
-        // fp32 worst case. One block reduces in the fused kernel: reading peers' memory (a
-        // zero-copy reduce-scatter) it is faster on the copy-engine path above a quarter of
-        // small_op_bytes (2 x H100, 1 MiB: 73 us fused, 46 us there; from local landing slots,
-        // the staged path, the fused kernel stays faster: 40 against 71 us at 512 KiB)
-        (s.value * 4 * (reads_peer_memory(s) ? 4 : 1) > small_op_bytes_ ||
-         s.spec.combine != Combine::Sum || static_cast<int>(s.spec.dtype) > static_cast<int>(DType::F16))) {
+        (s.value * dtype_size(s.spec.dtype) > small_op_bytes_ || s.spec.combine != Combine::Sum ||
+         static_cast<int>(s.spec.dtype) > static_cast<int>(DType::F16))) {
       return false;  // the fused kernel sums fp32 / bf16 / fp16 only
     }
     if (s.n > kFusedThreads) return false;
   }
   return true;
-}
-
-bool CudaIpcTransport::reads_peer_memory(const Step& s) const {
-  auto in = [](const void* p, const char* base, size_t bytes) {
-    const char* c = static_cast<const char*>(p);
-    return base && c >= base && c < base + bytes;
-  };
-  for (int i = 0; i < s.n; ++i) {
-    const void* p = ptrs_[s.first + i];
-    for (int r = 0; r < a_.world; ++r) {
-      if (r == a_.rank) continue;
-      if (in(p, bases_[r], a_.layout.total)) return true;
-      for (size_t id = 0; id < arenas_.size(); ++id) {
-        if (in(p, arenas_[id][r], arena_bytes_[id])) return true;
-      }
-    }
-  }
-  return false;
 }
 
 void CudaIpcTransport::run_fused() {
@@ -451,6 +464,27 @@ void CudaIpcTransport::run_fused() {
     }
   }
   op.lane_begin[a_.world] = static_cast<unsigned short>(order.size());
+  // Blocks per lane: none for a lane without steps, else enough that each moves about
+  // kFusedBytesPerBlock of its largest copy or reduction, within fused_blocks_ per operation.
+  int lanes_with_data = 0;
+  std::vector<size_t> lane_bytes(a_.world, 0);
+  for (const Step& s : steps_) {
+    const size_t bytes = s.kind == kStepCopy     ? s.value
+                         : s.kind == kStepReduce ? s.value * dtype_size(s.spec.dtype) * s.n
+                                                 : 0;
+    if (bytes && !lane_bytes[s.lane]) ++lanes_with_data;
+    lane_bytes[s.lane] = std::max(lane_bytes[s.lane], bytes);
+  }
+  const int cap = std::max(1, fused_blocks_ / std::max(1, lanes_with_data));
+  int blocks = 0;
+  for (int lane = 0; lane < a_.world; ++lane) {
+    op.block_begin[lane] = static_cast<unsigned short>(blocks);
+    if (op.lane_begin[lane + 1] == op.lane_begin[lane]) continue;
+    const size_t want = (lane_bytes[lane] + kFusedBytesPerBlock - 1) / kFusedBytesPerBlock;
+    blocks += static_cast<int>(std::clamp<size_t>(want, 1, cap));
+  }
+  op.block_begin[a_.world] = static_cast<unsigned short>(blocks);
+  op.arrivals = arrivals_ + static_cast<size_t>(ring_) * kFusedArrivalsPerOp;
   for (size_t k = 0; k < order.size(); ++k) {
     const Step& s = *order[k];
     FusedStep& f = op.steps[k];
@@ -499,7 +533,7 @@ void CudaIpcTransport::run_on_copy_engines() {
   cur_ = &lanes_for(op_stream_);
   cudaEvent_t start = nullptr;
   if (wait_value_) {
-    start = pooled_event();
+    start = events_->take();
     check(cudaEventRecord(start, op_stream_), "recording an event");
     op_waits_.clear();
   }
@@ -556,7 +590,7 @@ void CudaIpcTransport::run_on_copy_engines() {
   if (wait_value_) {
     Tracked t;
     t.start = start;
-    t.end = pooled_event();
+    t.end = events_->take();
     check(cudaEventRecord(t.end, op_stream_), "recording an event");
     t.waits = std::move(op_waits_);
     t.watch = watch_;

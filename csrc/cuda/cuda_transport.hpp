@@ -38,12 +38,28 @@
 
 namespace odc {
 
+// Events reused rather than created and destroyed per operation (each a driver call). Shared
+// by the transport and the events it hands out, which may outlive it (a Work's completion).
+class EventPool : public std::enable_shared_from_this<EventPool> {
+ public:
+  ~EventPool();
+  cudaEvent_t take();  // on the current device
+  void give(cudaEvent_t ev);
+  // `ev`, given back to the pool when its last holder drops it
+  std::shared_ptr<void> share(cudaEvent_t ev);
+
+ private:
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
 class CudaIpcTransport final : public Transport {
  public:
   // memory: nullptr for CUDA IPC. peers_on_other_gpus: some peer's memory is across NVLink
   // (not this GPU's, as for ranks sharing it).
   CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks, int accumulate_blocks,
-                   size_t small_op_bytes, bool stream_memops, bool peers_on_other_gpus,
+                   size_t small_op_bytes, int fused_blocks, bool stream_memops,
+                   bool peers_on_other_gpus,
                    std::unique_ptr<DeviceMemory> memory = nullptr);
   ~CudaIpcTransport() override;
 
@@ -63,6 +79,7 @@ class CudaIpcTransport final : public Transport {
   bool accumulates_everywhere() const override { return !memory_->any_routed(); }
   bool maps_every_peer() const override { return !memory_->any_routed(); }
   void end_op() override;
+  std::shared_ptr<void> completion(void* stream, bool after_last_op) override;
   std::string async_error() override;
 
  private:
@@ -100,13 +117,11 @@ class CudaIpcTransport final : public Transport {
   static constexpr std::chrono::milliseconds kWatchAfter{100};
   bool announced_other(const Tracked& op);
   void load_memops();
-  cudaEvent_t pooled_event();
   void watchdog_loop();
   bool diagnose_and_release(const Tracked& op);  // caller holds wd_mu_
 
 
   bool fusable() const;
-  bool reads_peer_memory(const Step& reduce) const;  // a source in a peer's window or arena
   void run_fused();
   void run_on_copy_engines();
 
@@ -141,6 +156,8 @@ class CudaIpcTransport final : public Transport {
   bool peers_on_other_gpus_;
   int accumulate_blocks_;  // blocks of each peer's put-accumulate kernel (decoupled mode)
   size_t small_op_bytes_;
+  int fused_blocks_;  // most blocks of one fused kernel (all co-resident: its lanes wait on peers)
+  unsigned* arrivals_ = nullptr;  // kFusedArrivalsPerOp counters per ring (FusedOp::arrivals)
   std::vector<Step> steps_;
   std::vector<const void*> ptrs_;
   std::vector<int> peers_;
@@ -148,8 +165,10 @@ class CudaIpcTransport final : public Transport {
   std::list<std::pair<cudaStream_t, Lanes>> lanes_;  // a list: cur_ must stay valid
   cudaStream_t op_stream_ = nullptr;
   Ring ring_ = kAgRing;
-  cudaStream_t ring_stream_[kNumRings] = {};  // the stream of each ring's last op
-  cudaEvent_t ring_done_[kNumRings] = {};     // recorded at the end of that op
+  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
+  cudaStream_t ring_stream_[kNumRings] = {};    // the stream of each ring's last op
+  std::shared_ptr<void> ring_done_[kNumRings];  // recorded at the end of that op
+  std::shared_ptr<void> last_done_;             // the last op's, if begin_op came before it
   std::vector<std::vector<char*>> arenas_;    // per arena (decoupled mode, registered
                                               // memory): every rank's base
   std::vector<size_t> arena_bytes_;
@@ -172,7 +191,6 @@ class CudaIpcTransport final : public Transport {
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;
   std::deque<Tracked> tracked_;
-  std::vector<cudaEvent_t> event_pool_;
   bool wd_stop_ = false;
   std::thread watchdog_;
   cudaStream_t wd_stream_ = nullptr;

@@ -411,16 +411,17 @@ __device__ void block_copy(void* dst_v, const void* src_v, size_t bytes) {
   for (size_t i = done + threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
 }
 
-// dst = scale * sum_j src[j] with the whole block, fp32 in source order (as reduce_kernel).
+// dst[begin, end) = scale * sum_j src[j][begin, end) with the whole block, fp32 in source
+// order (as reduce_kernel). begin is a multiple of 8 elements (of 16 bytes for the 2-byte types).
 template <typename T>
-__device__ void block_reduce(void* dst_v, const void* const* srcs, int n_src, size_t numel,
-                             float scale) {
+__device__ void block_reduce(void* dst_v, const void* const* srcs, int n_src, size_t begin,
+                             size_t end, float scale) {
   constexpr int V = 16 / sizeof(T);
   union U { uint4 raw; T e[V]; };
   uintptr_t mis = reinterpret_cast<uintptr_t>(dst_v);
   for (int j = 0; j < n_src; ++j) mis |= reinterpret_cast<uintptr_t>(srcs[j]);
-  const size_t nvec = mis % 16 == 0 ? numel / V : 0;
-  for (size_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+  const size_t vec_end = mis % 16 == 0 ? end / V : begin / V;
+  for (size_t i = begin / V + threadIdx.x; i < vec_end; i += blockDim.x) {
     float acc[V];
     U u;
     u.raw = static_cast<const uint4*>(srcs[0])[i];
@@ -435,11 +436,31 @@ __device__ void block_reduce(void* dst_v, const void* const* srcs, int n_src, si
     for (int k = 0; k < V; ++k) u.e[k] = from_f<T>(acc[k] * scale);
     static_cast<uint4*>(dst_v)[i] = u.raw;
   }
-  for (size_t i = nvec * V + threadIdx.x; i < numel; i += blockDim.x) {
+  for (size_t i = vec_end * V + threadIdx.x; i < end; i += blockDim.x) {
     float acc = to_f<T>(static_cast<const T*>(srcs[0])[i]);
     for (int j = 1; j < n_src; ++j) acc += to_f<T>(static_cast<const T*>(srcs[j])[i]);
     static_cast<T*>(dst_v)[i] = from_f<T>(acc * scale);
   }
+}
+
+// [begin, end) of `units` units, part `part` of `parts`: whole multiples of `align` units.
+__device__ __forceinline__ void slice_of(size_t units, size_t align, int part, int parts,
+                                         size_t* begin, size_t* end) {
+  const size_t per = ((units + align - 1) / align + parts - 1) / parts * align;
+  *begin = min(units, per * part);
+  *end = min(units, *begin + per);
+}
+
+// The last of a lane's `parts` blocks to arrive at its signal point `point` returns true
+// (one thread per block calls it, after a __syncthreads). Release / acquire at GPU scope:
+// what every arrived block did is ordered before the last one's later stores, and so
+// (cumulativity) before the counters it signals after its system-scope fence.
+__device__ __forceinline__ bool last_to_arrive(unsigned* counter, int parts) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  if (old + 1 != static_cast<unsigned>(parts)) return false;
+  *counter = 0;  // left zeroed for the ring's next operation (kernel boundaries order it)
+  return true;
 }
 
 __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_constant__ FusedOp op) {
@@ -447,13 +468,15 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const uint64_t start = global_ns();
-  const int lane = blockIdx.x;
-  bool fenced = false;  // thread 0 fenced since the lane's last step other than a signal
+  int lane = 0;
+  while (static_cast<int>(blockIdx.x) >= op.block_begin[lane + 1]) ++lane;
+  const int part = blockIdx.x - op.block_begin[lane];
+  const int parts = op.block_begin[lane + 1] - op.block_begin[lane];
+  int point = 0;  // this lane's signal points so far
   for (int i = op.lane_begin[lane]; i < op.lane_begin[lane + 1]; ++i) {
     const FusedStep& s = op.steps[i];
-    if (s.kind != kStepSignal) fenced = false;
     switch (s.kind) {
-      case kStepWait:
+      case kStepWait:  // every block of the lane waits (its later steps read what arrived)
         if (threadIdx.x < s.n) {
           const int k = s.first + threadIdx.x;
           if (!wait_counter(static_cast<const uint64_t*>(op.ptrs[k]), s.value, start,
@@ -467,35 +490,52 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
         __syncthreads();
         if (failed) return;  // the error is recorded; later steps would read garbage
         break;
-      case kStepStore:  // a payload: read by peers only after a later counter
+      case kStepStore:
+      case kStepSignal: {
+        // A signal point: the run of stores (payloads, first: run_fused orders them so) and
+        // signals from here. After the steps before it on every block of the lane, one
+        // thread stores the payloads, fences once, and stores the counters.
+        int end = i;
+        while (end < op.lane_begin[lane + 1] &&
+               (op.steps[end].kind == kStepStore || op.steps[end].kind == kStepSignal)) {
+          ++end;
+        }
+        __syncthreads();
         if (threadIdx.x == 0) {
-          for (int j = 0; j < s.n; ++j) {
-            store_relaxed(static_cast<uint64_t*>(const_cast<void*>(op.ptrs[s.first + j])), s.value);
+          if (parts == 1 || last_to_arrive(op.arrivals + lane * kFusedMaxSteps + point, parts)) {
+            bool fenced = false;
+            for (int k = i; k < end; ++k) {
+              const FusedStep& t = op.steps[k];
+              if (t.kind == kStepSignal && !fenced) {
+                fence_release();
+                fenced = true;
+              }
+              for (int j = 0; j < t.n; ++j) {
+                store_relaxed(static_cast<uint64_t*>(const_cast<void*>(op.ptrs[t.first + j])), t.value);
+              }
+            }
           }
         }
-        fenced = false;
+        ++point;
+        i = end - 1;
         break;
-      case kStepSignal:
-        __syncthreads();  // the block's steps before it (copies, reductions, waits)
-        if (threadIdx.x == 0) {  // after them and the payloads: one fence per signal point
-          if (!fenced) fence_release();
-          for (int j = 0; j < s.n; ++j) {
-            store_relaxed(static_cast<uint64_t*>(const_cast<void*>(op.ptrs[s.first + j])), s.value);
-          }
-        }
-        fenced = true;
-        break;
-      case kStepCopy:
-        block_copy(s.dst, s.src, s.value);
+      }
+      case kStepCopy: {
+        size_t b, e;  // 16-byte units, so that every block's piece keeps the copy's alignment
+        slice_of(s.value, 16, part, parts, &b, &e);
+        block_copy(static_cast<char*>(s.dst) + b, static_cast<const char*>(s.src) + b, e - b);
         __syncthreads();
         break;
+      }
       case kStepReduce: {
         const float scale = s.scale_ptr ? *s.scale_ptr : s.scale;
         const void* const* srcs = op.ptrs + s.first;
+        size_t b, e;  // multiples of 8 elements: 16-byte vectors of every fused dtype
+        slice_of(s.value, 8, part, parts, &b, &e);
         switch (static_cast<DType>(s.dtype)) {  // fused: sums of these only (fusable())
-          case DType::F32: block_reduce<float>(s.dst, srcs, s.n, s.value, scale); break;
-          case DType::BF16: block_reduce<__nv_bfloat16>(s.dst, srcs, s.n, s.value, scale); break;
-          case DType::F16: block_reduce<__half>(s.dst, srcs, s.n, s.value, scale); break;
+          case DType::F32: block_reduce<float>(s.dst, srcs, s.n, b, e, scale); break;
+          case DType::BF16: block_reduce<__nv_bfloat16>(s.dst, srcs, s.n, b, e, scale); break;
+          case DType::F16: block_reduce<__half>(s.dst, srcs, s.n, b, e, scale); break;
           default: break;
         }
         __syncthreads();  // a following copy or signal sees the whole result
@@ -561,7 +601,7 @@ cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType d
 }
 
 cudaError_t launch_fused(const FusedOp& op, cudaStream_t stream) {
-  fused_kernel<<<op.lanes, kFusedThreads, 0, stream>>>(op);
+  fused_kernel<<<op.block_begin[op.lanes], kFusedThreads, 0, stream>>>(op);
   return cudaGetLastError();
 }
 

@@ -66,10 +66,12 @@ struct ReduceOpArgs {
   bool vectorized;         // every pointer 16-byte aligned
 };
 
-// A small collective as one kernel: block b runs lane b's steps in order with SM
-// loads and stores. For small operations the launch and synchronisation costs of
-// the copy-engine path (a kernel or copy per step, events per lane) dominate.
-// (kStepAccumulate and kStepZero run on the copy-engine path only, never fused.)
+// A collective as one kernel: each lane's blocks run that lane's steps in order with SM
+// loads and stores, so the operation costs one launch (the copy-engine path costs a kernel
+// or copy per step, events per lane). A lane's blocks all take part in its waits and split
+// its copies and reductions; at a signal point the last of them to arrive (a counter in
+// `arrivals`) stores the point's payloads and counters. (kStepAccumulate and kStepZero run
+// on the copy-engine path only, never fused.)
 enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce, kStepAccumulate, kStepZero,
                          kStepStore };
 
@@ -94,12 +96,20 @@ constexpr int kFusedMaxLanes = 8;
 constexpr int kFusedMaxSteps = 40;
 constexpr int kFusedMaxPtrs = 96;
 constexpr int kFusedThreads = 1024;
+// Arrival counters per lane of one fused operation (at most one per signal point); a
+// transport keeps one such array per ring (operations of a ring run one at a time).
+constexpr int kFusedArrivalsPerOp = kFusedMaxLanes * kFusedMaxSteps;
+// A lane gets a block per this many bytes of its largest copy or reduction (within the
+// transport's fused_blocks per operation).
+constexpr size_t kFusedBytesPerBlock = 64 << 10;
 
 struct FusedOp {
   FusedStep steps[kFusedMaxSteps];  // grouped by lane
   const void* ptrs[kFusedMaxPtrs];  // counters (wait/signal), descriptors, reduce sources
   short peers[kFusedMaxPtrs];       // wait: the peer each counter is about
-  unsigned short lane_begin[kFusedMaxLanes + 1];
+  unsigned short lane_begin[kFusedMaxLanes + 1];   // the lane's steps
+  unsigned short block_begin[kFusedMaxLanes + 1];  // the lane's blocks (the grid: block_begin[lanes])
+  unsigned* arrivals;  // kFusedArrivalsPerOp zeroed counters, left zeroed (lanes of several blocks)
   int lanes;
   unsigned long long timeout_ns;
   unsigned long long op_seq;

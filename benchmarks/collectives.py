@@ -33,8 +33,8 @@ it; reduce-scatter with SUM):
 The floor (``--floor``; on by default in the lab and on CPU): per size, every rank at once moves the least bytes the
 collective needs for it on local buffers, with the copy engine and with an SM kernel, timed like
 the backends and interleaved with them; the faster is the floor, and the summary reports odc's
-latency / floor, host us per call, and odc's engine and SMs per size (derived from csrc, see
-``odc_engine``). In the one-GPU lab (``benchmarks/lab.sh``: W ranks on one GPU under a private MPS
+latency / floor, host us per call, and odc's engine and SMs per size (as the backend reports
+them for one call: ``engine_from_stats``). In the one-GPU lab (``benchmarks/lab.sh``: W ranks on one GPU under a private MPS
 daemon, ``ODC_LAB_MPS=1``) the kind is ``<gpu>-mps-x<W>``; docs/performance.md, "The one-GPU lab".
 
 Rank 0 writes ``<out-dir>/collectives_<kind>_<yyyymmdd>.json`` (rewritten after
@@ -114,71 +114,27 @@ def _pct(xs, q):
 
 
 # --------------------------------------------------------------------------- odc's engine per size
-SMS_SOURCE = ("derived, not measured: the engine rule and defaults of csrc at this commit "
-              "(csrc/cuda/cuda_transport.cpp fusable(), csrc/options.hpp defaults small_op_bytes 1 MiB / "
-              "reduce_blocks 16 / chunk 32 MiB, kernels.cu launch_fused / "
-              "launch_reduce / launch_flag_op) and this run's ODC_* knobs; sms = the most SMs "
-              "holding odc's blocks at once per rank (one block per SM assumed), an upper bound")
+SMS_SOURCE = ("reported by the backend for one call of each size, after the timed trials (the "
+              "group's stats: fused_ops / fused_blocks, copy_engine_ops / copy_engine_blocks); "
+              "sms = the most thread blocks the call held at once per rank (the fused kernel's grid; "
+              "on the copy-engine path its reduction's grid plus one flag-kernel block per lane that "
+              "ran one), an upper bound on SMs (one block per SM)")
+_ENGINE_KEYS = ("fused_ops", "fused_blocks", "copy_engine_ops", "copy_engine_blocks")
 
 
-def _knob_values() -> dict:
-    """The ODC_* knobs the engine rule depends on, as the backend reads them (0 / -1: default)."""
-    try:
-        from torch_odc_backend.config import knobs
-        k = knobs()
-        return {"chunk_bytes": int(getattr(k, "chunk_bytes", 0) or 0),
-                "reduce_blocks": int(getattr(k, "reduce_blocks", 0) or 0),
-                "small_op_bytes": int(getattr(k, "small_op_bytes", -1)),
-                "stream_memops": bool(getattr(k, "stream_memops", False))}
-    except Exception:  # noqa: BLE001  (the knob reader moved: fall back to the defaults)
-        return {"chunk_bytes": 0, "reduce_blocks": 0, "small_op_bytes": -1, "stream_memops": False}
-
-
-def odc_engine(op: str, nbytes: int, world: int, elem_bytes: int = 2, knobs: dict | None = None,
-               registered: bool = False) -> dict:
-    """Which engine odc's CUDA IPC transport serves ``op`` of ``nbytes`` (total) with, and the
-    SMs it holds per rank: derived from csrc (see SMS_SOURCE), not measured.
-
-    * fused kernel (one launch): every copy step <= ODC_SMALL_OP_BYTES (default 1 MiB) and, for a
-      reduce-scatter, every reduce step's fp32 worst case (elements x 4) too (a quarter of it for
-      a zero-copy reduce-scatter, whose one-block reduction reads the peers' memory); world <= 8 (the
-      step / pointer caps, 40 / 96, counted from protocol.cpp: an 8-rank reduce-scatter with the
-      match check issues 39 steps and 64 pointers, so they are not modelled). Grid of ``world``
-      blocks x 1024 threads (one per lane).
-    * copy engine otherwise: data by cudaMemcpyAsync; waits / signals by one-block (32-thread)
-      flag kernels, at most one per lane stream at a time (none with ODC_STREAM_MEMOPS=1); a
-      reduce-scatter adds the owner's reduce kernel, min(ODC_REDUCE_BLOCKS (16),
-      ceil(elements per chunk / 16384)) blocks x 512 threads on lane 0 (whose flag kernels
-      run before it on the same stream).
-    * registered (zero-copy) collectives: the same two engines, on one step per peer (a
-      copy of the whole shard) or one reduce of the whole shard: no ring chunks.
-    """
-    k = knobs if knobs is not None else _knob_values()
-    small = (1 << 20) if k["small_op_bytes"] < 0 else k["small_op_bytes"]
-    chunk = k["chunk_bytes"] or (32 << 20)
-    blocks = k["reduce_blocks"] or 16
-    # bytes of one copy step: one ring chunk of one shard (staged), the whole shard (registered)
-    step = nbytes // world if registered else min(nbytes // world, chunk)
-    fused = small > 0 and world <= 8 and step <= small
-    if op == "reduce_scatter":  # a fused reduction (one block); reading peers' memory: <= small / 4
-        fused = fused and (step // elem_bytes) * 4 * (4 if registered else 1) <= small
-    if fused:
-        return {"engine": "fused-kernel", "sms": world,
-                "detail": f"1 fused kernel: {world} blocks x 1024 threads (one per lane)"}
-    flag = 0 if k["stream_memops"] else world
-    if op == "all_gather":
-        return {"engine": "copy-engine", "sms": flag,
-                "detail": "cudaMemcpyAsync; " + (f"<= {flag} one-block flag kernels (1 x 32 threads, "
-                                                 "spinning waits) at once" if flag else "stream memory operations")}
-    per_block = 512 * 8 * 4  # launch_reduce: threads x (16 B / 2 B) x kUnroll elements per block
-    grid = max(1, min(blocks, -(-(step // elem_bytes) // per_block)))
-    others = max(0, flag - 1)
-    if registered:  # the reduce reads the peers' inputs in place, on lane 0 after its waits
-        return {"engine": "copy-engine", "sms": grid,
-                "detail": f"reduce kernel {grid} blocks x 512 threads reading every rank's input in place"}
-    return {"engine": "copy-engine", "sms": grid + others,
-            "detail": f"cudaMemcpyAsync puts + reduce kernel {grid} blocks x 512 threads"
-                      + (f" + <= {others} one-block flag kernels on the other lanes" if others else "")}
+def engine_from_stats(before: dict, after: dict) -> dict:
+    """odc's engine and SMs for the calls made between two snapshots of the group's stats."""
+    d = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in _ENGINE_KEYS}
+    if d["fused_ops"] and d["copy_engine_ops"]:
+        engine = "mixed"
+    elif d["fused_ops"]:
+        engine = "fused-kernel"
+    elif d["copy_engine_ops"]:
+        engine = "copy-engine"
+    else:
+        return {"engine": "none", "sms": 0}
+    ops = d["fused_ops"] + d["copy_engine_ops"]
+    return {"engine": engine, "sms": round((d["fused_blocks"] + d["copy_engine_blocks"]) / ops, 1)}
 
 
 FLOOR_DEFINITION = (
@@ -446,6 +402,14 @@ class Bench:
         t = b.allocate_tensor(like.numel(), dtype=like.dtype, device=self.device)
         return t.copy_(like)
 
+    def engine_of(self, backend, fn) -> dict:
+        """The engine and SMs of one call of ``fn`` on ``backend``'s group (its stats)."""
+        from torch_odc_backend import backend_stats
+        group = self.groups[backend]
+        before = backend_stats(group, device="cuda")
+        fn()
+        return engine_from_stats(before, backend_stats(group, device="cuda"))
+
     def ag(self, backend, out, inp):
         self._gather(out, inp, group=self.groups[backend])
 
@@ -588,6 +552,10 @@ class Bench:
                 self.host_barrier()
                 times[b].append(self.time_loop(fns[b], k))
                 host[b].append(self.last_host_us)
+        engines = {}  # odc's engine for one more call, as the backend reports it (every rank calls)
+        for b in backends:
+            if self.cuda and b in ("odc", "odc_nocheck", "odc_registered"):
+                engines[b] = self.engine_of(b, fns[b])
         rows = []
         for b in backends:
             per_trial = self.reduce_floats(times[b], "max")  # the slowest rank ends the collective
@@ -602,9 +570,8 @@ class Bench:
             }
             if b in floors:
                 row["engine"] = floors[b][1]
-            elif self.cuda and b in ("odc", "odc_nocheck", "odc_registered"):
-                row.update({f"odc_{key}": v for key, v in
-                            odc_engine(op, nbytes, n, registered=b == "odc_registered").items()})
+            elif self.cuda and b in engines:
+                row.update({f"odc_{key}": v for key, v in engines[b].items()})
             rows.append(row)
         cands = [row for row in rows if row["backend"] in floors]
         if cands:  # the floor: the faster of the two engines (by median)

@@ -622,6 +622,12 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
     ch.transport->end_op();
     count(ag ? "all_gather_ops" : "reduce_scatter_ops", 1);
     count(ag ? "all_gather_bytes" : "reduce_scatter_bytes", bytes);
+    // Which engine ran it and the blocks it held: fused_ops / fused_blocks, copy_engine_...
+    const Transport::EngineUse use = ch.transport->last_engine();
+    if (use.engine) {
+      count(cat(use.engine, "_ops"), 1);
+      count(cat(use.engine, "_blocks"), static_cast<uint64_t>(use.blocks));
+    }
   }, /*blocking=*/false, /*ends_with_op=*/true);
 }
 

@@ -110,10 +110,14 @@ Channel make_channel(const c10::Device& device, const Options& options,
 #endif
       }
       bool other_gpus = false;  // some peer on another GPU of this host (CUDA IPC over NVLink)
-      for (int r = 0; r < size; ++r) other_gpus = other_gpus || (!routed[r] && places[r] != places[rank]);
+      int on_gpu = 0;           // ranks of the group on this GPU (their kernels share its SMs)
+      for (int r = 0; r < size; ++r) {
+        other_gpus = other_gpus || (!routed[r] && places[r] != places[rank]);
+        on_gpu += !routed[r] && places[r] == places[rank];
+      }
       ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), o.reduce_blocks,
                                                         o.accumulate_blocks, o.small_op_bytes,
-                                                        o.fused_blocks,
+                                                        o.fused_blocks, on_gpu,
                                                         o.stream_memops, other_gpus, std::move(memory));
       c10::cuda::CUDAGuard g(device.index());
       cudaStream_t s;

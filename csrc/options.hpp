@@ -49,7 +49,7 @@ struct Options final : c10d::Backend::Options {
   int ring_slots = kDefaultSlots; // ODC_RING_SLOTS: ring depth per channel
   int reduce_blocks = 16;         // ODC_REDUCE_BLOCKS: CUDA blocks of the owner-side reduction
   int accumulate_blocks = 16;     // ODC_ACCUMULATE_BLOCKS: per peer, decoupled put-accumulate
-  size_t small_op_bytes = 1 << 20;  // ODC_SMALL_OP_BYTES: largest copy of a fused op (0: none)
+  size_t small_op_bytes = 8 << 20;  // ODC_SMALL_OP_BYTES: largest copy of a fused op (0: none)
   int fused_blocks = 32;          // ODC_FUSED_BLOCKS: most CUDA blocks of one fused op
   bool stream_memops = false;     // ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory ops
   TransportKind transport = TransportKind::Auto;  // ODC_TRANSPORT

@@ -76,6 +76,13 @@ class Transport {
   // transport's last operation, whose own end event then serves (no new record). Null for
   // host transports, whose work is done when they return.
   virtual std::shared_ptr<void> completion(void* stream, bool after_last_op) { return nullptr; }
+  // What ran the last operation (diagnostics: the group's stats): engine null for a host
+  // transport; blocks, the most GPU thread blocks (so SMs) it held at once, an upper bound.
+  struct EngineUse {
+    const char* engine = nullptr;  // "fused" (one kernel) or "copy_engine"
+    int blocks = 0;
+  };
+  virtual EngineUse last_engine() const { return {}; }
   // A failure recorded asynchronously (e.g. by a device-side wait), or "".
   virtual std::string async_error() { return {}; }
   // The peers' announcements the waits of the collective in progress watch (PeerWatch;

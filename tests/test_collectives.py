@@ -532,6 +532,34 @@ def test_one_hardware_queue_per_process(world):
     assert not errors, "\n".join(errors)
 
 
+def _engine_worker(rank, world):
+    """Which engine serves each size, as the group's stats report it, and its results."""
+    from torch_odc_backend import backend_stats
+
+    dev, errors = _device(), []
+    # (elements per rank, fp32): the fused kernel with one block per lane, with 16 per lane
+    # (two lanes move data: each gets half of ODC_FUSED_BLOCKS, 32), then the copy engines.
+    for n, engine, blocks in [(1024, "fused", 2), (1 << 18, "fused", 32), (1 << 22, "copy_engine", None)]:
+        c = ag_case(n, n, torch.float32, rank, world, device=dev)
+        before = backend_stats(device="cuda")
+        dist.all_gather_into_tensor(c["out"], c["inp"])
+        after = backend_stats(device="cuda")
+        errors += check_case(c, f"all_gather of {n} floats per rank")
+        got = {k: after.get(k, 0) - before.get(k, 0) for k in ("fused_ops", "copy_engine_ops", "fused_blocks")}
+        if got[f"{engine}_ops"] != 1 or sum(got[k] for k in ("fused_ops", "copy_engine_ops")) != 1:
+            errors.append(f"{n} floats per rank: expected the {engine} engine, stats changed by {got}")
+        if blocks is not None and got["fused_blocks"] != blocks:
+            errors.append(f"{n} floats per rank: expected {blocks} fused blocks, got {got['fused_blocks']}")
+    return errors
+
+
+@gpu_test()
+def test_engine_per_size_in_stats():
+    res = run_distributed(_engine_worker, 2, backend=BACKEND, env=GPU_ENV, timeout_s=60, deadline_s=200)
+    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
+    assert not errors, "\n".join(errors)
+
+
 def _device_errors_worker(rank, world):
     from test_errors import expect_error
 

@@ -83,33 +83,20 @@ def test_lab_rejects_bad_arguments(stub):
     assert lab(env, "--ranks", "2").returncode == 2
 
 
-def test_engine_rule():
+def test_engine_from_stats():
+    """The benchmark names odc's engine and SMs per size from the backend's own counters."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from collectives import odc_engine
+        from collectives import engine_from_stats
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    default = {"chunk_bytes": 0, "reduce_blocks": 0, "small_op_bytes": -1, "stream_memops": False}
-    # all-gather: fused while a shard is <= 1 MiB; then the copy engine with one flag block per lane
-    assert odc_engine("all_gather", 2 * MiB, 2, knobs=default)["engine"] == "fused-kernel"
-    assert odc_engine("all_gather", 2 * MiB, 2, knobs=default)["sms"] == 2
-    ce = odc_engine("all_gather", 4 * MiB, 2, knobs=default)
-    assert (ce["engine"], ce["sms"]) == ("copy-engine", 2)
-    assert odc_engine("all_gather", 4 * MiB, 2, knobs=dict(default, stream_memops=True))["sms"] == 0
-    # reduce-scatter: the fp32 worst case of the reduce step halves the bf16 threshold
-    assert odc_engine("reduce_scatter", 1 * MiB, 2, knobs=default)["engine"] == "fused-kernel"
-    rs = odc_engine("reduce_scatter", 2 * MiB, 2, knobs=default)
-    assert (rs["engine"], rs["sms"]) == ("copy-engine", 16 + 1)
-    assert odc_engine("reduce_scatter", 256 * MiB, 4, knobs=dict(default, reduce_blocks=4))["sms"] == 4 + 3
-    assert odc_engine("all_gather", 4 * KiB, 2, knobs=dict(default, small_op_bytes=0))["engine"] == "copy-engine"
-    assert odc_engine("all_gather", 4 * KiB, 16, knobs=default)["engine"] == "copy-engine"  # > 8 lanes
-    # zero-copy: one step per peer (the whole shard), the reduction over the whole shard on lane 0
-    assert odc_engine("all_gather", 256 * MiB, 2, knobs=default, registered=True)["engine"] == "copy-engine"
-    assert odc_engine("reduce_scatter", 256 * MiB, 2, knobs=default, registered=True)["sms"] == 16
-    assert odc_engine("reduce_scatter", 256 * KiB, 2, knobs=default, registered=True)["sms"] == 2  # fused
-    # a fused zero-copy reduction reads the peers' memory: fused only up to a quarter of the limit
-    assert odc_engine("reduce_scatter", 1 * MiB, 2, knobs=default, registered=True)["engine"] == "copy-engine"
-    assert odc_engine("reduce_scatter", 1 * MiB, 2, knobs=default)["engine"] == "fused-kernel"
+    before = {"fused_ops": 3, "fused_blocks": 6, "all_gather_ops": 3}
+    assert engine_from_stats(before, {"fused_ops": 4, "fused_blocks": 39}) == {"engine": "fused-kernel", "sms": 33}
+    assert engine_from_stats(before, dict(before, copy_engine_ops=1, copy_engine_blocks=17)) == {
+        "engine": "copy-engine", "sms": 17}
+    both = engine_from_stats({}, {"fused_ops": 1, "fused_blocks": 2, "copy_engine_ops": 1, "copy_engine_blocks": 4})
+    assert both == {"engine": "mixed", "sms": 3}
+    assert engine_from_stats(before, before) == {"engine": "none", "sms": 0}  # a host transport
 
 
 def test_collectives_cpu_floor_and_summary(tmp_path):

@@ -77,7 +77,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("ODC_ACCUMULATE_BLOCKS", _int_in(1, 1024), "accumulate_blocks",
          "CUDA blocks per peer of decoupled put-accumulate (16)"),
     Knob("ODC_SMALL_OP_BYTES", _small_op_bytes, "small_op_bytes",
-         "largest copy of a fused one-kernel CUDA op (1 MiB; 0: none)"),
+         "largest copy or reduction output of a fused one-kernel CUDA op (8 MiB; 0: none)"),
     Knob("ODC_FUSED_BLOCKS", _int_in(1, 256), "fused_blocks", "most CUDA blocks of one fused op (32)"),
     Knob("ODC_STREAM_MEMOPS", _flag, "stream_memops", "CUDA waits/signals as stream memory operations (0)"),
     Knob("ODC_TRANSPORT", _choice({"auto": TransportKind.AUTO, "nvshmem": TransportKind.NVSHMEM,

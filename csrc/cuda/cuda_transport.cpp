@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace odc {
@@ -31,7 +32,7 @@ struct DeviceGuard {
 
 CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
                                    int accumulate_blocks, size_t small_op_bytes, int fused_blocks,
-                                   bool stream_memops, bool peers_on_other_gpus,
+                                   int ranks_on_gpu, bool stream_memops, bool peers_on_other_gpus,
                                    std::unique_ptr<DeviceMemory> memory)
     : a_(args),
       device_(device),
@@ -48,6 +49,9 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
   }
   DeviceGuard g(device_);
   check(preload_kernels(), "loading the transport's kernels");
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "counting SMs");
+  fused_blocks_ = std::max(1, std::min(fused_blocks_, sms / std::max(1, ranks_on_gpu)));
   const size_t arrival_bytes = sizeof(unsigned) * kFusedArrivalsPerOp * kNumRings;
   check(cudaMalloc(reinterpret_cast<void**>(&arrivals_), arrival_bytes), "allocating the fused kernel's counters");
   check(cudaMemset(arrivals_, 0, arrival_bytes), "zeroing the fused kernel's counters");
@@ -464,9 +468,10 @@ void CudaIpcTransport::run_fused() {
     }
   }
   op.lane_begin[a_.world] = static_cast<unsigned short>(order.size());
-  // Blocks per lane: none for a lane without steps, else enough that each moves about
-  // kFusedBytesPerBlock of its largest copy or reduction, within fused_blocks_ per operation.
-  int lanes_with_data = 0;
+  // Blocks per lane: none for a lane without steps, one for a lane without data, else enough
+  // that each moves about kFusedBytesPerBlock of the lane's largest copy or reduction; at most
+  // fused_blocks_ in all (or one per lane, where there are more lanes).
+  int lanes_with_data = 0, lanes_without = 0;
   std::vector<size_t> lane_bytes(a_.world, 0);
   for (const Step& s : steps_) {
     const size_t bytes = s.kind == kStepCopy     ? s.value
@@ -475,7 +480,10 @@ void CudaIpcTransport::run_fused() {
     if (bytes && !lane_bytes[s.lane]) ++lanes_with_data;
     lane_bytes[s.lane] = std::max(lane_bytes[s.lane], bytes);
   }
-  const int cap = std::max(1, fused_blocks_ / std::max(1, lanes_with_data));
+  for (int lane = 0; lane < a_.world; ++lane) {
+    lanes_without += !lane_bytes[lane] && op.lane_begin[lane + 1] > op.lane_begin[lane];
+  }
+  const int cap = std::max(1, (fused_blocks_ - lanes_without) / std::max(1, lanes_with_data));
   int blocks = 0;
   for (int lane = 0; lane < a_.world; ++lane) {
     op.block_begin[lane] = static_cast<unsigned short>(blocks);
@@ -485,6 +493,7 @@ void CudaIpcTransport::run_fused() {
   }
   op.block_begin[a_.world] = static_cast<unsigned short>(blocks);
   op.arrivals = arrivals_ + static_cast<size_t>(ring_) * kFusedArrivalsPerOp;
+  last_use_ = EngineUse{"fused", blocks};
   for (size_t k = 0; k < order.size(); ++k) {
     const Step& s = *order[k];
     FusedStep& f = op.steps[k];
@@ -539,6 +548,8 @@ void CudaIpcTransport::run_on_copy_engines() {
   }
   if (!one_data_lane) check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
   std::fill(lane_used_.begin(), lane_used_.end(), false);
+  flagged_.assign(a_.world, false);
+  ce_reduce_blocks_ = 0;
   std::vector<uint64_t*> sigs;
   std::vector<const void*> srcs;
   for (const Step& s : steps_) {
@@ -582,6 +593,9 @@ void CudaIpcTransport::run_on_copy_engines() {
     }
   }
   for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
+  // The SMs it may hold at once: its largest reduction, and a flag kernel per lane that ran one.
+  last_use_ = EngineUse{"copy_engine",
+                        ce_reduce_blocks_ + static_cast<int>(std::count(flagged_.begin(), flagged_.end(), true))};
   for (int lane = 1; lane < a_.world; ++lane) {
     if (!lane_used_[lane]) continue;
     check(cudaEventRecord(cur_->join[lane - 1], cur_->side[lane - 1]), "recording a join event");
@@ -648,6 +662,7 @@ void CudaIpcTransport::launch_flags(int lane, const Step* wait) {
     op.watch_word = watch_.word;
   }
   check(launch_flag_op(op, lane_stream(lane)), "launching a flag kernel");
+  flagged_[lane] = true;
   p = PendingSignals{};
 }
 
@@ -757,6 +772,7 @@ void CudaIpcTransport::issue_reduce(int lane, void* dst, const std::vector<const
   // (about 51 against 73 GB/s per block, H100); from this GPU's memory the register kernel is
   // as fast or faster (kernels.cu).
   const bool bulk = spec.reads_peers && peers_on_other_gpus_;
+  ce_reduce_blocks_ = std::max(ce_reduce_blocks_, reduce_grid(numel, reduce_blocks_));
   check(launch_reduce(r, spec.dtype, spec.combine, reduce_blocks_, bulk, lane_stream(lane)),
         "launching the reduction");
 }

@@ -56,10 +56,10 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
 class CudaIpcTransport final : public Transport {
  public:
   // memory: nullptr for CUDA IPC. peers_on_other_gpus: some peer's memory is across NVLink
-  // (not this GPU's, as for ranks sharing it).
+  // (not this GPU's, as for ranks sharing it). ranks_on_gpu: the group's ranks on this GPU.
   CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks, int accumulate_blocks,
-                   size_t small_op_bytes, int fused_blocks, bool stream_memops,
-                   bool peers_on_other_gpus,
+                   size_t small_op_bytes, int fused_blocks, int ranks_on_gpu,
+                   bool stream_memops, bool peers_on_other_gpus,
                    std::unique_ptr<DeviceMemory> memory = nullptr);
   ~CudaIpcTransport() override;
 
@@ -80,6 +80,7 @@ class CudaIpcTransport final : public Transport {
   bool maps_every_peer() const override { return !memory_->any_routed(); }
   void end_op() override;
   std::shared_ptr<void> completion(void* stream, bool after_last_op) override;
+  EngineUse last_engine() const override { return last_use_; }
   std::string async_error() override;
 
  private:
@@ -156,7 +157,10 @@ class CudaIpcTransport final : public Transport {
   bool peers_on_other_gpus_;
   int accumulate_blocks_;  // blocks of each peer's put-accumulate kernel (decoupled mode)
   size_t small_op_bytes_;
-  int fused_blocks_;  // most blocks of one fused kernel (all co-resident: its lanes wait on peers)
+  // Most blocks of one fused kernel: ODC_FUSED_BLOCKS, within this rank's share of the GPU's
+  // SMs (a 1024-thread block may fill an SM, and the kernels of every rank on the GPU must be
+  // resident at once: their lanes wait on each other).
+  int fused_blocks_;
   unsigned* arrivals_ = nullptr;  // kFusedArrivalsPerOp counters per ring (FusedOp::arrivals)
   std::vector<Step> steps_;
   std::vector<const void*> ptrs_;
@@ -169,6 +173,9 @@ class CudaIpcTransport final : public Transport {
   cudaStream_t ring_stream_[kNumRings] = {};    // the stream of each ring's last op
   std::shared_ptr<void> ring_done_[kNumRings];  // recorded at the end of that op
   std::shared_ptr<void> last_done_;             // the last op's, if begin_op came before it
+  EngineUse last_use_;
+  int ce_reduce_blocks_ = 0;   // the copy-engine op being issued: its largest reduction's grid,
+  std::vector<bool> flagged_;  // and the lanes that ran a flag kernel
   std::vector<std::vector<char*>> arenas_;    // per arena (decoupled mode, registered
                                               // memory): every rank's base
   std::vector<size_t> arena_bytes_;

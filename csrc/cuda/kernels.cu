@@ -703,12 +703,16 @@ cudaError_t preload_kernels() {
   return e;
 }
 
+int reduce_grid(size_t numel, int blocks) {
+  const size_t per_block = static_cast<size_t>(kReduceThreads) * 8 * kUnroll;
+  const size_t needed = (numel + per_block - 1) / per_block;
+  return static_cast<int>(std::clamp<size_t>(needed, 1, static_cast<size_t>(blocks)));
+}
+
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine, int blocks,
                           bool bulk, cudaStream_t stream) {
   constexpr int kThreads = kReduceThreads;
-  const size_t per_block = static_cast<size_t>(kThreads) * 8 * kUnroll;
-  const int needed = static_cast<int>((args.numel + per_block - 1) / per_block);
-  const int grid = needed < blocks ? (needed > 0 ? needed : 1) : blocks;
+  const int grid = reduce_grid(args.numel, blocks);
   ReduceOpArgs a = args;
   BulkReduce b = bulk ? bulk_reduce(a, dtype, combine) : BulkReduce{};
   if (b.kernel) {

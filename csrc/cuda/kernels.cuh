@@ -133,6 +133,8 @@ cudaError_t preload_kernels();
 // are read across NVLink; kernels.cu).
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine, int blocks,
                           bool bulk, cudaStream_t stream);
+// The blocks launch_reduce runs a reduction of `numel` elements on, at most `blocks`.
+int reduce_grid(size_t numel, int blocks);
 // dst[i] += src[i] with system-scope atomics (dst may be a peer's memory; other GPUs add
 // into it concurrently); src in `dtype`, dst fp32.
 cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType dtype, int blocks,

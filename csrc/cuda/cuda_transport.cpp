@@ -51,7 +51,8 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
   check(preload_kernels(), "loading the transport's kernels");
   int sms = 0;
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "counting SMs");
-  fused_blocks_ = std::max(1, std::min(fused_blocks_, sms / std::max(1, ranks_on_gpu)));
+  // Two collectives may run at once (FSDP's all-gather and reduce-scatter streams).
+  fused_blocks_ = std::max(1, std::min(fused_blocks_, sms / (2 * std::max(1, ranks_on_gpu))));
   const size_t arrival_bytes = sizeof(unsigned) * kFusedArrivalsPerOp * kNumRings;
   check(cudaMalloc(reinterpret_cast<void**>(&arrivals_), arrival_bytes), "allocating the fused kernel's counters");
   check(cudaMemset(arrivals_, 0, arrival_bytes), "zeroing the fused kernel's counters");
@@ -423,7 +424,7 @@ std::shared_ptr<void> CudaIpcTransport::completion(void* stream, bool after_last
 
 // ---- The fused engine.
 
-bool CudaIpcTransport::fusable() const {
+bool CudaIpcTransport::fusable() {
   if (small_op_bytes_ == 0 || memory_->any_routed() || a_.world > kFusedMaxLanes ||
       steps_.size() > static_cast<size_t>(kFusedMaxSteps) ||
       ptrs_.size() > static_cast<size_t>(kFusedMaxPtrs)) {
@@ -438,6 +439,34 @@ bool CudaIpcTransport::fusable() const {
       return false;  // the fused kernel sums fp32 / bf16 / fp16 only
     }
     if (s.n > kFusedThreads) return false;
+  }
+  return plan_fused_blocks();
+}
+
+// Blocks per lane: none for a lane without steps, one for a lane without data, else enough
+// that each moves about kFusedBytesPerBlock of the lane's largest copy or reduction; at most
+// fused_blocks_ in all (or one per lane, where there are more lanes). False (the copy-engine
+// path) where a block would have more than kFusedMaxBytesPerBlock to move.
+bool CudaIpcTransport::plan_fused_blocks() {
+  int lanes_with_data = 0, lanes_without = 0;
+  std::vector<size_t> bytes(a_.world, 0);
+  std::vector<bool> has_steps(a_.world, false);
+  for (const Step& s : steps_) {
+    const size_t b = s.kind == kStepCopy     ? s.value
+                     : s.kind == kStepReduce ? s.value * dtype_size(s.spec.dtype) * s.n
+                                             : 0;
+    if (b && !bytes[s.lane]) ++lanes_with_data;
+    bytes[s.lane] = std::max(bytes[s.lane], b);
+    has_steps[s.lane] = true;
+  }
+  for (int lane = 0; lane < a_.world; ++lane) lanes_without += has_steps[lane] && !bytes[lane];
+  const size_t cap = std::max(1, (fused_blocks_ - lanes_without) / std::max(1, lanes_with_data));
+  fused_plan_.assign(a_.world, 0);
+  for (int lane = 0; lane < a_.world; ++lane) {
+    if (!has_steps[lane]) continue;
+    const size_t want = (bytes[lane] + kFusedBytesPerBlock - 1) / kFusedBytesPerBlock;
+    fused_plan_[lane] = static_cast<int>(std::clamp<size_t>(want, 1, cap));
+    if (bytes[lane] > fused_plan_[lane] * kFusedMaxBytesPerBlock) return false;
   }
   return true;
 }
@@ -468,28 +497,10 @@ void CudaIpcTransport::run_fused() {
     }
   }
   op.lane_begin[a_.world] = static_cast<unsigned short>(order.size());
-  // Blocks per lane: none for a lane without steps, one for a lane without data, else enough
-  // that each moves about kFusedBytesPerBlock of the lane's largest copy or reduction; at most
-  // fused_blocks_ in all (or one per lane, where there are more lanes).
-  int lanes_with_data = 0, lanes_without = 0;
-  std::vector<size_t> lane_bytes(a_.world, 0);
-  for (const Step& s : steps_) {
-    const size_t bytes = s.kind == kStepCopy     ? s.value
-                         : s.kind == kStepReduce ? s.value * dtype_size(s.spec.dtype) * s.n
-                                                 : 0;
-    if (bytes && !lane_bytes[s.lane]) ++lanes_with_data;
-    lane_bytes[s.lane] = std::max(lane_bytes[s.lane], bytes);
-  }
-  for (int lane = 0; lane < a_.world; ++lane) {
-    lanes_without += !lane_bytes[lane] && op.lane_begin[lane + 1] > op.lane_begin[lane];
-  }
-  const int cap = std::max(1, (fused_blocks_ - lanes_without) / std::max(1, lanes_with_data));
-  int blocks = 0;
+  int blocks = 0;  // fusable()'s plan
   for (int lane = 0; lane < a_.world; ++lane) {
     op.block_begin[lane] = static_cast<unsigned short>(blocks);
-    if (op.lane_begin[lane + 1] == op.lane_begin[lane]) continue;
-    const size_t want = (lane_bytes[lane] + kFusedBytesPerBlock - 1) / kFusedBytesPerBlock;
-    blocks += static_cast<int>(std::clamp<size_t>(want, 1, cap));
+    blocks += fused_plan_[lane];
   }
   op.block_begin[a_.world] = static_cast<unsigned short>(blocks);
   op.arrivals = arrivals_ + static_cast<size_t>(ring_) * kFusedArrivalsPerOp;

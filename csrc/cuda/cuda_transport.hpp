@@ -122,7 +122,8 @@ class CudaIpcTransport final : public Transport {
   bool diagnose_and_release(const Tracked& op);  // caller holds wd_mu_
 
 
-  bool fusable() const;
+  bool fusable();            // and plans the blocks (fused_plan_)
+  bool plan_fused_blocks();
   void run_fused();
   void run_on_copy_engines();
 
@@ -161,6 +162,7 @@ class CudaIpcTransport final : public Transport {
   // SMs (a 1024-thread block may fill an SM, and the kernels of every rank on the GPU must be
   // resident at once: their lanes wait on each other).
   int fused_blocks_;
+  std::vector<int> fused_plan_;  // blocks per lane of the fused op being issued
   unsigned* arrivals_ = nullptr;  // kFusedArrivalsPerOp counters per ring (FusedOp::arrivals)
   std::vector<Step> steps_;
   std::vector<const void*> ptrs_;

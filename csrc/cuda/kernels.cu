@@ -463,8 +463,10 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, int parts) {
   return true;
 }
 
+__device__ __forceinline__ bool moves_data(uint8_t kind) { return kind == kStepCopy || kind == kStepReduce; }
+
 __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_constant__ FusedOp op) {
-  __shared__ int failed;
+  __shared__ int failed, leave;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const uint64_t start = global_ns();
@@ -472,7 +474,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
   while (static_cast<int>(blockIdx.x) >= op.block_begin[lane + 1]) ++lane;
   const int part = blockIdx.x - op.block_begin[lane];
   const int parts = op.block_begin[lane + 1] - op.block_begin[lane];
-  int point = 0;  // this lane's signal points so far
+  int point = 0;            // this lane's signal points so far
+  bool lead = part == 0;    // (thread 0) the lane's leader: the last block at its last data point
   for (int i = op.lane_begin[lane]; i < op.lane_begin[lane + 1]; ++i) {
     const FusedStep& s = op.steps[i];
     switch (s.kind) {
@@ -493,16 +496,25 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
       case kStepStore:
       case kStepSignal: {
         // A signal point: the run of stores (payloads, first: run_fused orders them so) and
-        // signals from here. After the steps before it on every block of the lane, one
-        // thread stores the payloads, fences once, and stores the counters.
+        // signals from here. One thread stores the payloads, fences once, and stores the
+        // counters: where the lane moved data since its last point, that of the last block to
+        // arrive (after every block's data), which becomes the lane's leader; else the
+        // leader's. Then the others leave if no data is left to them: a block never waits on
+        // peers for nothing, so blocks not resident yet (SMs taken by other kernels) get to run.
+        const int lane_end = op.lane_begin[lane + 1];
         int end = i;
-        while (end < op.lane_begin[lane + 1] &&
-               (op.steps[end].kind == kStepStore || op.steps[end].kind == kStepSignal)) {
-          ++end;
+        while (end < lane_end && (op.steps[end].kind == kStepStore || op.steps[end].kind == kStepSignal)) ++end;
+        bool data_before = false, data_after = false;
+        for (int k = i - 1; k >= op.lane_begin[lane] && !(op.steps[k].kind == kStepStore ||
+                                                          op.steps[k].kind == kStepSignal); --k) {
+          data_before = data_before || moves_data(op.steps[k].kind);
         }
+        for (int k = end; k < lane_end; ++k) data_after = data_after || moves_data(op.steps[k].kind);
         __syncthreads();
         if (threadIdx.x == 0) {
-          if (parts == 1 || last_to_arrive(op.arrivals + lane * kFusedMaxSteps + point, parts)) {
+          if (parts > 1 && data_before) lead = last_to_arrive(op.arrivals + lane * kFusedMaxSteps + point, parts);
+          leave = !lead && !data_after;
+          if (lead) {
             bool fenced = false;
             for (int k = i; k < end; ++k) {
               const FusedStep& t = op.steps[k];
@@ -516,6 +528,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
             }
           }
         }
+        __syncthreads();
+        if (leave) return;
         ++point;
         i = end - 1;
         break;

@@ -102,6 +102,9 @@ constexpr int kFusedArrivalsPerOp = kFusedMaxLanes * kFusedMaxSteps;
 // A lane gets a block per this many bytes of its largest copy or reduction (within the
 // transport's fused_blocks per operation).
 constexpr size_t kFusedBytesPerBlock = 64 << 10;
+// More than this per block, and the operation takes the copy-engine path instead (where few
+// blocks are left to a rank: many ranks on one GPU).
+constexpr size_t kFusedMaxBytesPerBlock = 1 << 20;
 
 struct FusedOp {
   FusedStep steps[kFusedMaxSteps];  // grouped by lane

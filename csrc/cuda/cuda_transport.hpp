@@ -11,9 +11,9 @@
 //    operations (cuStreamWaitValue64 / cuStreamWriteValue64: no SM is held while a
 //    lane waits), or by one-warp kernels where the device lacks them; the owner's
 //    reduction is a kernel with a bounded number of blocks;
-//  * one fused kernel (operations whose copies are all <= small_op_bytes): one
-//    block per lane runs that lane's steps with SM loads and stores, so a small
-//    collective costs one launch instead of a dozen.
+//  * one fused kernel (operations whose copies and reductions are all <= small_op_bytes):
+//    each lane's blocks run that lane's steps with SM loads and stores (kernels.cuh,
+//    FusedOp), so the collective costs one launch instead of a dozen.
 // Everything is ordered on streams: the CPU only enqueues. A stream wait cannot time
 // out by itself, so a watchdog thread (never in the data path) watches the operations
 // that use them: one that has run longer than the group's timeout is diagnosed from

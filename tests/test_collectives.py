@@ -368,6 +368,14 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def run_checked(worker, world, env=None, timeout_s=60, deadline_s=300):
+    """Run ``worker`` (returns a list of problems) on ``world`` ranks of BACKEND; fail with them."""
+    res = run_distributed(worker, world, backend=BACKEND, env={**GPU_ENV, **(env or {})},
+                          timeout_s=timeout_s, deadline_s=deadline_s)
+    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
+    assert not errors, f"{len(errors)} problems:\n" + "\n".join(errors[:40])
+
+
 def _sizes(dtype, world):
     """Per-rank element counts from 1 element up to a 64 MiB collective."""
     big = BIG // (torch.empty(0, dtype=dtype).element_size() * world)
@@ -431,10 +439,7 @@ def test_matches_reference_and_nccl(world, env):
     each rank has a GPU of its own."""
     if ranks_share_gpus(world) and world > 2 and env:
         pytest.skip("4 ranks sharing GPUs: the default knobs only (the others run at 2 ranks)")
-    res = run_distributed(_compare_worker, world, backend=BACKEND, env={**GPU_ENV, **env},
-                          timeout_s=120, deadline_s=500)
-    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
-    assert not errors, f"{len(errors)} mismatches:\n" + "\n".join(errors[:40])
+    run_checked(_compare_worker, world, env, timeout_s=120, deadline_s=500)
 
 
 def _streams_worker(rank, world):
@@ -463,9 +468,7 @@ def _streams_worker(rank, world):
 
 @gpu_test()
 def test_async_wait_on_other_stream():
-    res = run_distributed(_streams_worker, 2, backend=BACKEND, env=GPU_ENV, timeout_s=60, deadline_s=300)
-    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
-    assert not errors, "\n".join(errors)
+    run_checked(_streams_worker, 2)
 
 
 def _on_two_streams(n_ops, issue, what):
@@ -498,10 +501,7 @@ def _cross_stream_worker(rank, world):
 
 @gpu_test()
 def test_ops_on_two_streams_keep_issue_order():
-    res = run_distributed(_cross_stream_worker, 2, backend=BACKEND, env={**GPU_ENV, **SMALL_GPU_RING},
-                          timeout_s=60, deadline_s=300)
-    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
-    assert not errors, "\n".join(errors)
+    run_checked(_cross_stream_worker, 2, SMALL_GPU_RING)
 
 
 def _one_queue_worker(rank, world):
@@ -526,10 +526,8 @@ def _one_queue_worker(rank, world):
 @gpu_test()
 @pytest.mark.parametrize("world", [2, 4])
 def test_one_hardware_queue_per_process(world):
-    env = {**GPU_ENV, **SMALL_GPU_RING, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "ODC_SMALL_OP_BYTES": "0"}
-    res = run_distributed(_one_queue_worker, world, backend=BACKEND, env=env, timeout_s=30, deadline_s=240)
-    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
-    assert not errors, "\n".join(errors)
+    env = {**SMALL_GPU_RING, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "ODC_SMALL_OP_BYTES": "0"}
+    run_checked(_one_queue_worker, world, env, timeout_s=30, deadline_s=240)
 
 
 def _engine_worker(rank, world):
@@ -555,9 +553,7 @@ def _engine_worker(rank, world):
 
 @gpu_test()
 def test_engine_per_size_in_stats():
-    res = run_distributed(_engine_worker, 2, backend=BACKEND, env=GPU_ENV, timeout_s=60, deadline_s=200)
-    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
-    assert not errors, "\n".join(errors)
+    run_checked(_engine_worker, 2, deadline_s=200)
 
 
 def _device_errors_worker(rank, world):
@@ -596,9 +592,7 @@ def _device_errors_worker(rank, world):
 
 @gpu_test()
 def test_device_errors():
-    res = run_distributed(_device_errors_worker, 2, backend=BACKEND, env=GPU_ENV, timeout_s=60, deadline_s=300)
-    errors = [f"rank {r}: {e}" for r in sorted(res) for e in res[r]]
-    assert not errors, "\n".join(errors)
+    run_checked(_device_errors_worker, 2)
 
 
 def _stuck_peer_worker(rank, world, mode, tmpdir, n):

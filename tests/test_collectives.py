@@ -548,6 +548,16 @@ def _engine_worker(rank, world):
             errors.append(f"{n} floats per rank: expected the {engine} engine, stats changed by {got}")
         if blocks is not None and not blocks[0] <= got["fused_blocks"] <= blocks[1]:
             errors.append(f"{n} floats per rank: expected {blocks[0]}-{blocks[1]} fused blocks, got {got['fused_blocks']}")
+    # In place (the output is this rank's part of the input), odd sizes, fused on several blocks:
+    # every element is summed once, however the lane's blocks slice it.
+    for n in (7, 40_001, (1 << 17) + 5):
+        xs = [make_input(50 + r, world * n, torch.float32, dev) for r in range(world)]
+        want = sum(x[rank * n:(rank + 1) * n].double() for x in xs)
+        inp = xs[rank].clone()
+        out = inp[rank * n:(rank + 1) * n]
+        dist.reduce_scatter_tensor(out, inp)
+        errors += check_close(out, want, sum(x[rank * n:(rank + 1) * n].abs().double() for x in xs),
+                              torch.float32, f"in-place reduce_scatter of {n} floats per rank")
     return errors
 
 

@@ -324,6 +324,7 @@ void CudaIpcTransport::begin_op(void* stream, Ring ring) {
   op_stream_ = static_cast<cudaStream_t>(stream);
   ring_ = ring;
   last_done_.reset();
+  last_use_ = EngineUse{};
   steps_.clear();
   ptrs_.clear();
   peers_.clear();

@@ -436,7 +436,9 @@ __device__ void block_reduce(void* dst_v, const void* const* srcs, int n_src, si
     for (int k = 0; k < V; ++k) u.e[k] = from_f<T>(acc[k] * scale);
     static_cast<uint4*>(dst_v)[i] = u.raw;
   }
-  for (size_t i = vec_end * V + threadIdx.x; i < end; i += blockDim.x) {
+  // From begin at least: an empty slice at the end (begin == end == numel) must not redo the
+  // vectors' tail, which an in-place reduction (dst one of the sources) would add twice.
+  for (size_t i = max(vec_end * V, begin) + threadIdx.x; i < end; i += blockDim.x) {
     float acc = to_f<T>(static_cast<const T*>(srcs[0])[i]);
     for (int j = 1; j < n_src; ++j) acc += to_f<T>(static_cast<const T*>(srcs[j])[i]);
     static_cast<T*>(dst_v)[i] = from_f<T>(acc * scale);
@@ -463,7 +465,12 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, int parts) {
   return true;
 }
 
-__device__ __forceinline__ bool moves_data(uint8_t kind) { return kind == kStepCopy || kind == kStepReduce; }
+// Steps every block of a lane must have finished before the lane's next signal point: its copies
+// and reductions, and checked waits (a block still reading a peer's descriptor must not let the
+// peer overwrite it).
+__device__ __forceinline__ bool needs_all_blocks(const FusedStep& s) {
+  return s.kind == kStepCopy || s.kind == kStepReduce || (s.kind == kStepWait && s.desc != 0);
+}
 
 __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_constant__ FusedOp op) {
   __shared__ int failed, leave;
@@ -497,19 +504,20 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
       case kStepSignal: {
         // A signal point: the run of stores (payloads, first: run_fused orders them so) and
         // signals from here. One thread stores the payloads, fences once, and stores the
-        // counters: where the lane moved data since its last point, that of the last block to
-        // arrive (after every block's data), which becomes the lane's leader; else the
-        // leader's. Then the others leave if no data is left to them: a block never waits on
-        // peers for nothing, so blocks not resident yet (SMs taken by other kernels) get to run.
+        // counters: where the lane moved data (or checked a descriptor) since its last point,
+        // that of the last block to arrive (after every block's steps), which becomes the lane's
+        // leader; else the leader's. Then the others leave if no such step is left to them: a
+        // block never waits on peers for nothing, so blocks not resident yet (SMs taken by other
+        // kernels) get to run.
         const int lane_end = op.lane_begin[lane + 1];
         int end = i;
         while (end < lane_end && (op.steps[end].kind == kStepStore || op.steps[end].kind == kStepSignal)) ++end;
         bool data_before = false, data_after = false;
         for (int k = i - 1; k >= op.lane_begin[lane] && !(op.steps[k].kind == kStepStore ||
                                                           op.steps[k].kind == kStepSignal); --k) {
-          data_before = data_before || moves_data(op.steps[k].kind);
+          data_before = data_before || needs_all_blocks(op.steps[k]);
         }
-        for (int k = end; k < lane_end; ++k) data_after = data_after || moves_data(op.steps[k].kind);
+        for (int k = end; k < lane_end; ++k) data_after = data_after || needs_all_blocks(op.steps[k]);
         __syncthreads();
         if (threadIdx.x == 0) {
           if (parts > 1 && data_before) lead = last_to_arrive(op.arrivals + lane * kFusedMaxSteps + point, parts);

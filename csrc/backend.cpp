@@ -18,7 +18,6 @@
 #include "text.hpp"
 
 #ifdef ODC_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -624,9 +623,10 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
     count(ag ? "all_gather_bytes" : "reduce_scatter_bytes", bytes);
     // Which engine ran it and the blocks it held: fused_ops / fused_blocks, copy_engine_...
     const Transport::EngineUse use = ch.transport->last_engine();
-    if (use.engine) {
-      count(cat(use.engine, "_ops"), 1);
-      count(cat(use.engine, "_blocks"), static_cast<uint64_t>(use.blocks));
+    if (use.engine != Transport::EngineUse::kNone) {
+      const bool fused = use.engine == Transport::EngineUse::kFused;
+      count(fused ? "fused_ops" : "copy_engine_ops", 1);
+      count(fused ? "fused_blocks" : "copy_engine_blocks", static_cast<uint64_t>(use.blocks));
     }
   }, /*blocking=*/false, /*ends_with_op=*/true);
 }

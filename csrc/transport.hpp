@@ -76,10 +76,10 @@ class Transport {
   // transport's last operation, whose own end event then serves (no new record). Null for
   // host transports, whose work is done when they return.
   virtual std::shared_ptr<void> completion(void* stream, bool after_last_op) { return nullptr; }
-  // What ran the last operation (diagnostics: the group's stats): engine null for a host
-  // transport; blocks, the most GPU thread blocks (so SMs) it held at once, an upper bound.
+  // What ran the last operation (diagnostics: the group's stats): none for a host transport;
+  // blocks, the most GPU thread blocks (so SMs) it held at once, an upper bound.
   struct EngineUse {
-    const char* engine = nullptr;  // "fused" (one kernel) or "copy_engine"
+    enum Engine { kNone, kFused, kCopyEngine } engine = kNone;  // kFused: one kernel
     int blocks = 0;
   };
   virtual EngineUse last_engine() const { return {}; }

@@ -18,13 +18,14 @@ void check(cudaError_t e, const char* what) {
 // Makes `dev` current for the scope; no driver call where it already is (the usual case).
 struct DeviceGuard {
   int prev = 0;
+  bool switched = false;
   explicit DeviceGuard(int dev) {
     check(cudaGetDevice(&prev), "cudaGetDevice");
-    if (prev != dev) check(cudaSetDevice(dev), "cudaSetDevice");
+    switched = prev != dev;
+    if (switched) check(cudaSetDevice(dev), "cudaSetDevice");
   }
   ~DeviceGuard() {
-    int now = 0;
-    if (cudaGetDevice(&now) == cudaSuccess && now != prev) (void)cudaSetDevice(prev);
+    if (switched) (void)cudaSetDevice(prev);
   }
 };
 
@@ -505,7 +506,7 @@ void CudaIpcTransport::run_fused() {
   }
   op.block_begin[a_.world] = static_cast<unsigned short>(blocks);
   op.arrivals = arrivals_ + static_cast<size_t>(ring_) * kFusedArrivalsPerOp;
-  last_use_ = EngineUse{"fused", blocks};
+  last_use_ = EngineUse{EngineUse::kFused, blocks};
   for (size_t k = 0; k < order.size(); ++k) {
     const Step& s = *order[k];
     FusedStep& f = op.steps[k];
@@ -606,7 +607,7 @@ void CudaIpcTransport::run_on_copy_engines() {
   }
   for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
   // The SMs it may hold at once: its largest reduction, and a flag kernel per lane that ran one.
-  last_use_ = EngineUse{"copy_engine",
+  last_use_ = EngineUse{EngineUse::kCopyEngine,
                         ce_reduce_blocks_ + static_cast<int>(std::count(flagged_.begin(), flagged_.end(), true))};
   for (int lane = 1; lane < a_.world; ++lane) {
     if (!lane_used_[lane]) continue;

@@ -159,8 +159,8 @@ class CudaIpcTransport final : public Transport {
   int accumulate_blocks_;  // blocks of each peer's put-accumulate kernel (decoupled mode)
   size_t small_op_bytes_;
   // Most blocks of one fused kernel: ODC_FUSED_BLOCKS, within this rank's share of the GPU's
-  // SMs (a 1024-thread block may fill an SM, and the kernels of every rank on the GPU must be
-  // resident at once: their lanes wait on each other).
+  // SMs for two collectives at once (a 1024-thread block fills an SM; the ranks' kernels wait
+  // on each other, so their blocks should be resident together).
   int fused_blocks_;
   std::vector<int> fused_plan_;  // blocks per lane of the fused op being issued
   unsigned* arrivals_ = nullptr;  // kFusedArrivalsPerOp counters per ring (FusedOp::arrivals)

@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_bulk_kernel(ReduceOpArg
 #endif
 }
 
-// ---- The fused small-operation kernel (one block per lane).
+// ---- The fused kernel (a collective in one launch; kernels.cuh, FusedOp).
 
 // Copy `bytes` with the whole block, in the widest unit both pointers allow.
 template <typename U, int kUnrollCopy>

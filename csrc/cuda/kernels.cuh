@@ -69,9 +69,10 @@ struct ReduceOpArgs {
 // A collective as one kernel: each lane's blocks run that lane's steps in order with SM
 // loads and stores, so the operation costs one launch (the copy-engine path costs a kernel
 // or copy per step, events per lane). A lane's blocks all take part in its waits and split
-// its copies and reductions; at a signal point the last of them to arrive (a counter in
-// `arrivals`) stores the point's payloads and counters. (kStepAccumulate and kStepZero run
-// on the copy-engine path only, never fused.)
+// its copies and reductions; at a signal point after data the last of them to arrive (a
+// counter in `arrivals`) stores the point's payloads and counters and becomes the lane's
+// leader, which signals the points without data (kernels.cu). (kStepAccumulate and kStepZero
+// run on the copy-engine path only, never fused.)
 enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce, kStepAccumulate, kStepZero,
                          kStepStore };
 

@@ -387,10 +387,10 @@ at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
   const size_t bytes = static_cast<size_t>(size) * options.dtype().itemsize();
   const size_t off = pool ? pool->allocate(bytes) : SIZE_MAX;
   if (off == SIZE_MAX) {  // full (or no pool): ordinary memory, the staged path
-    count("registered_fallbacks", 1);
+    count(Stat::RegisteredFallbacks, 1);
     return at::empty({size}, options);
   }
-  count("registered_allocations", 1);
+  count(Stat::RegisteredAllocations, 1);
   return at::from_blob(pool->base(getRank()) + off, {size},
                        [pool, off](void*) { pool->free(off); }, options);
 }
@@ -497,7 +497,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
   void* stream = nullptr;
 #ifdef ODC_WITH_CUDA
   c10::optional<c10::cuda::CUDAStream> op_stream;
-  c10::optional<c10::cuda::CUDAStreamGuard> on_op_stream;  // scratch tensors belong to it
+  // Scratch tensors belong to the operation's stream: the caller's current one (nothing to
+  // set), or with async_op the group's own, made current for the body.
+  c10::optional<c10::cuda::CUDAStreamGuard> on_op_stream;
   if (device.is_cuda()) {
     auto current = c10::cuda::getCurrentCUDAStream(device.index());
     op_stream = current;
@@ -506,9 +508,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
                                                    device.index());
       const std::shared_ptr<void> ready = ch.transport->completion(current.stream(), false);
       C10_CUDA_CHECK(cudaStreamWaitEvent(op_stream->stream(), static_cast<cudaEvent_t>(ready.get()), 0));
+      on_op_stream.emplace(*op_stream);
     }
     stream = op_stream->stream();
-    on_op_stream.emplace(*op_stream);
   }
 #endif
   try {
@@ -608,7 +610,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
                                                  elem, specs[i], id, seq, rd);
         }
         bytes += per_rank * world;
-        count("registered_ops", 1);
+        count(Stat::RegisteredOps, 1);
       } else if (ag) {
         ch.protocol->all_gather(outputs[i].data_ptr(), inputs[i].data_ptr(), per_rank, seq, d);
         bytes += per_rank * world;
@@ -619,14 +621,14 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
       }
     }
     ch.transport->end_op();
-    count(ag ? "all_gather_ops" : "reduce_scatter_ops", 1);
-    count(ag ? "all_gather_bytes" : "reduce_scatter_bytes", bytes);
+    count(ag ? Stat::AllGatherOps : Stat::ReduceScatterOps, 1);
+    count(ag ? Stat::AllGatherBytes : Stat::ReduceScatterBytes, bytes);
     // Which engine ran it and the blocks it held: fused_ops / fused_blocks, copy_engine_...
     const Transport::EngineUse use = ch.transport->last_engine();
     if (use.engine != Transport::EngineUse::kNone) {
       const bool fused = use.engine == Transport::EngineUse::kFused;
-      count(fused ? "fused_ops" : "copy_engine_ops", 1);
-      count(fused ? "fused_blocks" : "copy_engine_blocks", static_cast<uint64_t>(use.blocks));
+      count(fused ? Stat::FusedOps : Stat::CopyEngineOps, 1);
+      count(fused ? Stat::FusedBlocks : Stat::CopyEngineBlocks, static_cast<uint64_t>(use.blocks));
     }
   }, /*blocking=*/false, /*ends_with_op=*/true);
 }
@@ -647,7 +649,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> OdcBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   if (is_bitwise(opts.reduceOp)) {  // odc reduces arithmetically: the inner backend serves these
-    count("delegated_ops", 1);
+    count(Stat::DelegatedOps, 1);
     return inner(input.device().type())->_reduce_scatter_base(output, input, opts);
   }
   std::vector<at::Tensor> outs{output}, ins{input};
@@ -659,7 +661,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (is_bitwise(opts.reduceOp)) {
-    count("delegated_ops", 1);
+    count(Stat::DelegatedOps, 1);
     return inner(inputs.empty() ? c10::kCPU : inputs[0].device().type())
         ->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
@@ -687,7 +689,7 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
 
 #define ODC_DELEGATE(device_type, call)       \
   do {                                        \
-    count("delegated_ops", 1);                \
+    count(Stat::DelegatedOps, 1);                \
     return inner(device_type)->call;          \
   } while (0)
 
@@ -793,14 +795,42 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o
 #undef ODC_SERVE_OR_DELEGATE
 #undef ODC_DELEGATE
 
-void OdcBackend::count(const std::string& key, uint64_t n) {
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  stats_[key] += n;
+const char* stat_name(Stat s) {
+  static const char* const names[] = {
+      "all_gather_ops",
+      "all_gather_bytes",
+      "reduce_scatter_ops",
+      "reduce_scatter_bytes",
+      "registered_ops",
+      "registered_allocations",
+      "registered_fallbacks",
+      "fused_ops",
+      "fused_blocks",
+      "copy_engine_ops",
+      "copy_engine_blocks",
+      "delegated_ops",
+      "own_all_reduce_ops",
+      "own_reduce_ops",
+      "own_broadcast_ops",
+      "own_all_gather_ops",
+      "own_reduce_scatter_ops",
+      "own_exchange_ops",
+      "own_barrier_ops",
+      "decoupled_gets",
+      "decoupled_accumulates",
+      "decoupled_syncs",
+  };
+  static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Stat::kCount));
+  return names[static_cast<int>(s)];
 }
 
 std::map<std::string, uint64_t> OdcBackend::stats() const {
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  return stats_;
+  std::map<std::string, uint64_t> out;  // the counters that moved
+  for (size_t i = 0; i < stats_.size(); ++i) {
+    const uint64_t v = stats_[i].load(std::memory_order_relaxed);
+    if (v) out[stat_name(static_cast<Stat>(i))] = v;
+  }
+  return out;
 }
 
 // ---- The group-wide values odc.balance shares through the group's store: atomic counters

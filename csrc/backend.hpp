@@ -13,6 +13,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <array>
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -38,6 +40,35 @@ std::string describe(const at::Tensor& t);         // "float32[4, 8] on cuda:0"
 // Defined, on `device`, contiguous: else a ValueError naming `api` and `what`.
 void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
                   const char* what);
+
+// The group's counters (stats()); counted on every collective, so an array of atomics, not a
+// map of names.
+enum class Stat : int {
+  AllGatherOps,
+  AllGatherBytes,
+  ReduceScatterOps,
+  ReduceScatterBytes,
+  RegisteredOps,
+  RegisteredAllocations,
+  RegisteredFallbacks,
+  FusedOps,
+  FusedBlocks,
+  CopyEngineOps,
+  CopyEngineBlocks,
+  DelegatedOps,
+  OwnAllReduceOps,
+  OwnReduceOps,
+  OwnBroadcastOps,
+  OwnAllGatherOps,
+  OwnReduceScatterOps,
+  OwnExchangeOps,
+  OwnBarrierOps,
+  DecoupledGets,
+  DecoupledAccumulates,
+  DecoupledSyncs,
+  kCount
+};
+const char* stat_name(Stat s);
 
 class OdcBackend final : public c10d::Backend {
  public:
@@ -229,9 +260,8 @@ class OdcBackend final : public c10d::Backend {
   std::mutex mu_;  // ops on one group may be issued from several threads
   std::string broken_;  // set once a communication error left the group unusable
   uint64_t seq_ = 0;
-  mutable std::mutex stats_mu_;  // delegated ops run outside mu_
-  std::map<std::string, uint64_t> stats_;
-  void count(const std::string& key, uint64_t n);
+  std::array<std::atomic<uint64_t>, static_cast<size_t>(Stat::kCount)> stats_{};  // relaxed: counts only
+  void count(Stat s, uint64_t n) { stats_[static_cast<size_t>(s)].fetch_add(n, std::memory_order_relaxed); }
 };
 
 }  // namespace odc

@@ -143,7 +143,7 @@ void DecoupledArena::get(int64_t group, const at::Tensor& out, int64_t epoch) {
     op(Transport::kArenaGetRing, [&] {
       arena_->get(static_cast<int>(group), out.data_ptr(), static_cast<uint64_t>(epoch), seq);
     });
-    backend_->count("decoupled_gets", 1);
+    backend_->count(Stat::DecoupledGets, 1);
   });
 }
 
@@ -156,7 +156,7 @@ void DecoupledArena::accumulate(int64_t group, const at::Tensor& in) {
                        "reduce_scatter input");
     op(Transport::kArenaPutRing,
        [&] { arena_->accumulate(static_cast<int>(group), in.data_ptr(), dtype); });
-    backend_->count("decoupled_accumulates", 1);
+    backend_->count(Stat::DecoupledAccumulates, 1);
   });
 }
 
@@ -164,7 +164,7 @@ void DecoupledArena::finish(int64_t epoch) {
   call([&] {
     const uint64_t seq = ++backend_->seq_;
     op(Transport::kArenaSyncRing, [&] { arena_->finish(static_cast<uint64_t>(epoch), seq); });
-    backend_->count("decoupled_syncs", 1);
+    backend_->count(Stat::DecoupledSyncs, 1);
   });
 }
 

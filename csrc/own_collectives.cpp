@@ -111,7 +111,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_allreduce(std::vector<at::Tensor>
       const uint64_t bytes = t.numel() * t.element_size();
       own_all_reduce(ch, stream, seq, t, specs[i], desc(OpKind::AllReduce, t, bytes, ops[i], true),
                      desc(OpKind::AllReduce, t, bytes));
-      count("own_all_reduce_ops", 1);
+      count(Stat::OwnAllReduceOps, 1);
     }
   });
 }
@@ -132,7 +132,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_reduce(std::vector<at::Tensor>& t
     const uint64_t bytes = t.numel() * t.element_size();
     own_all_reduce(ch, stream, seq, work, spec, desc(OpKind::AllReduce, t, bytes, r, true),
                    desc(OpKind::AllReduce, t, bytes));
-    count("own_reduce_ops", 1);
+    count(Stat::OwnReduceOps, 1);
   });
 }
 
@@ -152,7 +152,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_broadcast(std::vector<at::Tensor>
     ch.protocol->broadcast(t.data_ptr(), bytes, root, seq,
                            desc(OpKind::Broadcast, t, bytes, RedOp::Sum, false, root));
     ch.transport->end_op();
-    count("own_broadcast_ops", 1);
+    count(Stat::OwnBroadcastOps, 1);
   });
 }
 
@@ -196,7 +196,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_allgather(
         ch.transport->end_op();
       }
     }
-    count("own_all_gather_ops", 1);
+    count(Stat::OwnAllGatherOps, 1);
   });
 }
 
@@ -228,7 +228,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_reduce_scatter(
     ch.protocol->reduce_scatter(out.data_ptr(), in.data_ptr(), out.numel(), out.element_size(),
                                 spec, seq, desc(OpKind::ReduceScatter, out, bytes, r, true));
     ch.transport->end_op();
-    count("own_reduce_scatter_ops", 1);
+    count(Stat::OwnReduceScatterOps, 1);
   });
 }
 
@@ -243,7 +243,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_exchange(at::Tensor& output,
     ch.transport->begin_op(stream, Transport::kRsRing);
     ch.protocol->exchange(output.data_ptr(), input.data_ptr(), x, seq);
     ch.transport->end_op();
-    count("own_exchange_ops", 1);
+    count(Stat::OwnExchangeOps, 1);
   });
 }
 
@@ -320,7 +320,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_alltoall(std::vector<at::Tensor>&
     ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
     ch.transport->end_op();
     split_bytes(out, out_l, outputs);
-    count("own_exchange_ops", 1);
+    count(Stat::OwnExchangeOps, 1);
   });
 }
 
@@ -362,7 +362,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_scatter(
     ch.transport->begin_op(stream, Transport::kRsRing);
     ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
     ch.transport->end_op();
-    count("own_exchange_ops", 1);
+    count(Stat::OwnExchangeOps, 1);
   });
 }
 
@@ -405,7 +405,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_gather(
     ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
     ch.transport->end_op();
     split_bytes(out, l, root_outputs);
-    count("own_exchange_ops", 1);
+    count(Stat::OwnExchangeOps, 1);
   });
 }
 
@@ -418,7 +418,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_barrier(const c10::Device& device
                 [&](Channel& ch, void* stream, uint64_t seq) {
     const uint64_t d = desc(OpKind::AllReduce, one, sizeof(int32_t), RedOp::Sum, true);
     own_all_reduce(ch, stream, seq, one, spec, d, desc(OpKind::AllReduce, one, sizeof(int32_t)));
-    count("own_barrier_ops", 1);
+    count(Stat::OwnBarrierOps, 1);
   }, /*blocking=*/true);
 }
 

@@ -13,7 +13,12 @@ Protocol::Protocol(int rank, int world, const WindowLayout& layout, Transport* t
       t_(transport),
       ag_pub_(world, 0),
       rs_sent_(world, 0),
-      rs_landed_(world, 0) {}
+      rs_landed_(world, 0) {
+  for (int p = 0; p < world; ++p) {
+    if (p != rank) others_.push_back(p);
+    only_.push_back({p});
+  }
+}
 
 uint64_t* Protocol::flag_in(int owner, WindowLayout::Flag kind, int index) {
   return reinterpret_cast<uint64_t*>(t_->window(owner) + layout_.flag(kind, index));
@@ -47,17 +52,11 @@ void Protocol::announce(uint64_t desc) {
   if (desc == 0 || world_ == 1) return;
   const uint64_t word = announce_word(desc, collectives_);
   std::vector<uint64_t*> at;
-  for (int p : peers_but_me()) {
+  for (int p : others_) {
     at.push_back(reinterpret_cast<uint64_t*>(t_->window(p) + layout_.announce_slot(rank_, collectives_)));
   }
   t_->signal(0, at, word);
   t_->watch(PeerWatch{reinterpret_cast<const uint64_t*>(t_->window(rank_) + layout_.announce), word});
-}
-
-std::vector<int> Protocol::peers_but_me() const {
-  std::vector<int> out;
-  for (int p = 0; p < world_; ++p) if (p != rank_) out.push_back(p);
-  return out;
 }
 
 // A checked empty call still moves one empty chunk: a peer whose call is not empty
@@ -85,7 +84,7 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
   }
   const size_t C = layout_.chunk_bytes;
   const uint64_t nchunks = chunks(shard_bytes, desc != 0);
-  const auto peers = peers_but_me();
+  const std::vector<int>& peers = others_;
   std::vector<const uint64_t*> acks;
   std::vector<uint64_t*> ready_at_readers;
   for (int p : peers) {
@@ -111,7 +110,7 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
       const int p = (rank_ + i) % world_;
       const uint64_t gp = ag_pub_[p] + k;
       DescCheck check{{desc_in(rank_, WindowLayout::AgDesc, p, gp)}, desc, gp};
-      t_->wait(i, {flag_in(rank_, WindowLayout::AgReady, p)}, {p}, gp + 1,
+      t_->wait(i, {flag_in(rank_, WindowLayout::AgReady, p)}, only_[p], gp + 1,
                {"all_gather", "data from", op_seq}, desc ? &check : nullptr);
       if (len) {
         t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes + off,
@@ -173,7 +172,7 @@ void Protocol::broadcast(void* buf, size_t bytes, int root, uint64_t op_seq, uin
 void Protocol::put_chunk(int lane, int p, uint64_t g, const char* src, size_t len,
                          uint64_t desc, const char* op, uint64_t op_seq) {
   if (g >= static_cast<uint64_t>(layout_.slots)) {
-    t_->wait(lane, {flag_in(rank_, WindowLayout::RsFree, p)}, {p}, g - layout_.slots + 1,
+    t_->wait(lane, {flag_in(rank_, WindowLayout::RsFree, p)}, only_[p], g - layout_.slots + 1,
              {op, "landing space at", op_seq});
   }
   if (len) t_->copy(lane, t_->window(p) + layout_.rs_slot(rank_, g), src, len);
@@ -195,7 +194,7 @@ void Protocol::reduce_scatter(void* out, const void* in, size_t out_numel, size_
   const size_t part_bytes = out_numel * elem_size;
   const size_t C = layout_.chunk_bytes;  // multiple of 16, so of every element size
   const uint64_t nchunks = chunks(part_bytes, desc != 0 && world_ > 1);
-  const auto peers = peers_but_me();
+  const std::vector<int>& peers = others_;
   std::vector<uint64_t*> free_at_senders;
   for (int p : peers) free_at_senders.push_back(flag_in(p, WindowLayout::RsFree, rank_));
 
@@ -282,7 +281,7 @@ void Protocol::exchange(void* out, const void* in, const Exchange& x, uint64_t o
       const size_t len = std::min(C, x.recv[p] - std::min(off, x.recv[p]));
       const uint64_t desc = desc_of(x.recv[p]);
       DescCheck check{{desc_in(rank_, WindowLayout::RsDesc, p, g)}, desc, g};
-      t_->wait(i, {flag_in(rank_, WindowLayout::RsReady, p)}, {p}, g + 1, {op, "data from", op_seq},
+      t_->wait(i, {flag_in(rank_, WindowLayout::RsReady, p)}, only_[p], g + 1, {op, "data from", op_seq},
                desc ? &check : nullptr);
       if (len) t_->copy(i, out_b + x.recv_off[p] + off, t_->window(rank_) + layout_.rs_slot(p, g), len);
       t_->signal(i, {flag_in(p, WindowLayout::RsFree, rank_)}, g + 1);
@@ -306,7 +305,7 @@ constexpr WindowLayout::Desc kRegDesc[2] = {WindowLayout::RegAgDesc, WindowLayou
 
 void Protocol::registered_ready(int ring, RegisteredId id, uint64_t desc) {
   std::vector<uint64_t*> ready, descs;
-  for (int p : peers_but_me()) {
+  for (int p : others_) {
     ready.push_back(flag_in(p, kRegReady[ring], rank_));
     descs.push_back(desc_in(p, kRegDesc[ring], rank_, id.number - 1));
   }
@@ -351,14 +350,14 @@ void Protocol::all_gather_registered(void* out, const std::vector<const char*>& 
     registered_ready(0, id, desc);
     for (int i = 1; i < world_; ++i) {  // each peer's shard on its lane
       const int p = (rank_ + i) % world_;
-      registered_wait_ready(0, i, {p}, id, desc, {"all_gather", "the input of", op_seq});
+      registered_wait_ready(0, i, only_[p], id, desc, {"all_gather", "the input of", op_seq});
       if (shard_bytes) t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes, in_at[p], shard_bytes);
-      registered_done(0, i, {p}, id.number);
+      registered_done(0, i, only_[p], id.number);
     }
   }
   if (copy_own) t_->copy(0, my_part, in_at[rank_], shard_bytes);
   if (world_ > 1) {
-    registered_finish(0, peers_but_me(), id.number, {"all_gather", "the reads of this rank's input by", op_seq});
+    registered_finish(0, others_, id.number, {"all_gather", "the reads of this rank's input by", op_seq});
   }
 }
 
@@ -368,7 +367,7 @@ void Protocol::reduce_scatter_registered(void* out, const std::vector<const char
                                          uint64_t op_seq, uint64_t desc) {
   announce(desc);
   const size_t part_bytes = out_numel * elem_size;
-  const auto peers = peers_but_me();
+  const std::vector<int>& peers = others_;
   if (world_ > 1) {
     id.number = ++registered_[1];
     registered_ready(1, id, desc);

@@ -88,7 +88,6 @@ class Protocol {
  private:
   uint64_t* flag_in(int owner, WindowLayout::Flag kind, int index);
   uint64_t* desc_in(int owner, WindowLayout::Desc kind, int peer, uint64_t chunk);
-  std::vector<int> peers_but_me() const;
   uint64_t chunks(size_t bytes, bool at_least_one) const;
   // At a collective's first transfer: store its announcement (desc without the byte count;
   // 0: unchecked, nothing announced) in every peer's window and watch theirs.
@@ -115,6 +114,8 @@ class Protocol {
   std::vector<uint64_t> ag_pub_;     // per owner: chunks it published into its AG ring
   std::vector<uint64_t> rs_sent_;    // per peer: chunks this rank put into its landing ring
   std::vector<uint64_t> rs_landed_;  // per peer: chunks it put into this rank's landing ring
+  std::vector<int> others_;             // every rank but this one (made once: used per call)
+  std::vector<std::vector<int>> only_;  // only_[p] = {p}
   uint64_t registered_[2] = {0, 0};  // registered all-gathers and reduce-scatters issued
   uint64_t collectives_ = 0;          // collectives begun on this channel
   bool unannounced_ = false;          // the one in progress has not announced itself yet

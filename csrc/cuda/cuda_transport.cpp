@@ -531,7 +531,7 @@ void CudaIpcTransport::run_fused() {
     op.ptrs[i] = ptrs_[i];
     op.peers[i] = static_cast<short>(peers_[i]);
   }
-  check(launch_fused(op, op_stream_), "launching the fused collective kernel");
+  check(launch_fused(op, device_, op_stream_), "launching the fused collective kernel");
 }
 
 // ---- The copy-engine engine: each lane on its own stream, forked from and joined

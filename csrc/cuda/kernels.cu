@@ -1,4 +1,5 @@
 // Layer 2, a transport's kernels (kernels.cuh).
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <algorithm>
@@ -622,8 +623,54 @@ cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType d
   return cudaGetLastError();
 }
 
-cudaError_t launch_fused(const FusedOp& op, cudaStream_t stream) {
-  fused_kernel<<<op.block_begin[op.lanes], kFusedThreads, 0, stream>>>(op);
+namespace {
+// The fused kernel is launched through the driver (cuLaunchKernel): about 0.3-0.5 us less host
+// time per call than the runtime's launch (H100, with and without MPS), and a small collective
+// costs little more than its launch. The function handle belongs to a device's context:
+// preload_kernels resolves it for each device it sets up; a device without one (or a driver
+// without the entry point) takes the runtime's launch.
+using CuLaunchKernel = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                    unsigned, unsigned, CUstream, void**, void**);
+constexpr int kMaxDevices = 64;
+std::atomic<CuLaunchKernel> g_cu_launch{nullptr};
+std::atomic<CUfunction> g_fused_fn[kMaxDevices] = {};
+
+void resolve_fused_launch(int device) {
+  if (device < 0 || device >= kMaxDevices) return;
+  if (!g_cu_launch.load()) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuLaunchKernel", &fn, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess || q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    g_cu_launch.store(reinterpret_cast<CuLaunchKernel>(fn));
+  }
+  cudaFunction_t f = nullptr;
+  if (cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(fused_kernel)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  g_fused_fn[device].store(reinterpret_cast<CUfunction>(f));
+}
+}  // namespace
+
+cudaError_t launch_fused(const FusedOp& op, int device, cudaStream_t stream) {
+  const unsigned grid = op.block_begin[op.lanes];
+  const CuLaunchKernel cu_launch = g_cu_launch.load(std::memory_order_relaxed);
+  const CUfunction fn = device >= 0 && device < kMaxDevices
+                            ? g_fused_fn[device].load(std::memory_order_relaxed)
+                            : nullptr;
+  if (cu_launch && fn) {
+    void* params[] = {const_cast<FusedOp*>(&op)};
+    const CUresult r = cu_launch(fn, grid, 1, 1, kFusedThreads, 1, 1, 0,
+                                 reinterpret_cast<CUstream>(stream), params, nullptr);
+    // The runtime's error codes have the driver's values (invalid handle 400, launch out of
+    // resources 701, launch failed 719, ...).
+    return static_cast<cudaError_t>(r);
+  }
+  fused_kernel<<<grid, kFusedThreads, 0, stream>>>(op);
   return cudaGetLastError();
 }
 
@@ -717,6 +764,7 @@ cudaError_t preload_kernels() {
       e = cudaFuncSetAttribute(bulk_kernel_of(d), cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     }
   }
+  if (e == cudaSuccess) resolve_fused_launch(device);
   if (e == cudaSuccess) {  // the least of the devices this process set up
     int seen = g_bulk_smem.load();
     while ((seen < 0 || smem < seen) && !g_bulk_smem.compare_exchange_weak(seen, smem)) {

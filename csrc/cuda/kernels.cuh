@@ -125,7 +125,8 @@ struct FusedOp {
 static_assert(sizeof(FusedOp) <= 4000, "kernel parameters are limited to 4 KiB");
 static_assert(sizeof(FlagOp) <= 4000, "kernel parameters are limited to 4 KiB");
 
-cudaError_t launch_fused(const FusedOp& op, cudaStream_t stream);
+// device: the current device (its context runs the kernel)
+cudaError_t launch_fused(const FusedOp& op, int device, cudaStream_t stream);
 cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
 // Load every kernel's module now. Under lazy loading (PyTorch's default) the
 // first launch of a kernel may wait for the kernels already running, and a

@@ -182,8 +182,7 @@ OdcBackend::~OdcBackend() {
   for (auto& [type, ch] : channels_) {
     if (type == c10::kCUDA) {
       c10::cuda::CUDAGuard g(ch.device.index());
-      (void)cudaDeviceSynchronize();
-      if (ch.async_stream) (void)cudaStreamDestroy(static_cast<cudaStream_t>(ch.async_stream));
+      (void)cudaDeviceSynchronize();  // (the async stream is PyTorch's: never destroyed)
     }
   }
 #endif

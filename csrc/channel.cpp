@@ -17,6 +17,7 @@
 #ifdef ODC_WITH_CUDA
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "cuda/cuda_transport.hpp"
 #endif
@@ -119,12 +120,10 @@ Channel make_channel(const c10::Device& device, const Options& options,
                                                         o.accumulate_blocks, o.small_op_bytes,
                                                         o.fused_blocks, on_gpu,
                                                         o.stream_memops, other_gpus, std::move(memory));
-      c10::cuda::CUDAGuard g(device.index());
-      cudaStream_t s;
-      int lo = 0, hi = 0;
-      C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-      C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi));
-      ch.async_stream = s;
+      // From PyTorch's pool (high priority), as ProcessGroupNCCL's streams: the caching
+      // allocator records async ops' tensors on it (recordStream) and may record events on it
+      // whenever they are freed, also after the group is gone, so it must never be destroyed.
+      ch.async_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index()).stream();
       ch.shares_device = shared_by_ranks(a, places);
 #else
       ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "

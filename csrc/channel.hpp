@@ -21,7 +21,7 @@ struct Channel {
   std::unique_ptr<Transport> transport;
   std::unique_ptr<Protocol> protocol;
   c10::Device device{c10::kCPU};
-  void* async_stream = nullptr;  // CUDA: the side stream async ops run on
+  void* async_stream = nullptr;  // CUDA: the side stream async ops run on (a PyTorch pool stream)
   bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
   // Registered memory (allocate_tensor), made at its first use; shared with the tensors'
   // deleters.

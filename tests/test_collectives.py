@@ -566,6 +566,33 @@ def test_engine_per_size_in_stats():
     run_checked(_engine_worker, 2, deadline_s=200)
 
 
+def _outlive_group_worker(rank, world):
+    """Tensors of async collectives freed after the group is gone: the caching allocator
+    records an event on every stream a tensor was recorded on (the group's async stream) when
+    it frees it, so that stream must outlive the group."""
+    import gc
+
+    dev, errors, n = _device(), [], 4096
+    a = ag_case(7, n, torch.float32, rank, world, device=dev)
+    r = rs_case(8, n, torch.float32, rank, world, device=dev)
+    dist.all_gather_into_tensor(a["out"], a["inp"], async_op=True).wait()
+    dist.reduce_scatter_tensor(r["out"], r["inp"], async_op=True).wait()
+    errors += check_case(a, "async all_gather") + check_case(r, "async reduce_scatter")
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    gc.collect()  # the group's backend goes
+    del a, r  # their memory returns to the caching allocator now
+    gc.collect()
+    torch.empty(1 << 20, device=dev).fill_(1.0)  # and is reused
+    torch.cuda.synchronize()
+    return errors
+
+
+@gpu_test()
+def test_async_outputs_outlive_the_group():
+    run_checked(_outlive_group_worker, 2, deadline_s=120)
+
+
 def _device_errors_worker(rank, world):
     from test_errors import expect_error
 

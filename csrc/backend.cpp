@@ -38,11 +38,11 @@ namespace {
 class OdcWork final : public c10d::Work {
  public:
   OdcWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
-          std::vector<at::Tensor> keep_alive, Transport* transport)
+          std::vector<at::Tensor> keep_alive, std::shared_ptr<Transport> transport)
       : Work(rank, type),
         outputs_(std::move(outputs)),
         keep_alive_(std::move(keep_alive)),
-        transport_(transport) {}
+        transport_(std::move(transport)) {}
 
 #ifdef ODC_WITH_CUDA
   // done: a cudaEvent_t (Transport::completion) recorded on op_stream. blocking: wait()
@@ -122,7 +122,7 @@ class OdcWork final : public c10d::Work {
   std::vector<at::Tensor> keep_alive_;  // inputs stay alive until the work is dropped
   std::mutex future_mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-  Transport* transport_;
+  std::shared_ptr<Transport> transport_;
 #ifdef ODC_WITH_CUDA
   cudaEvent_t event() const { return static_cast<cudaEvent_t>(done_.get()); }
   std::shared_ptr<void> done_;
@@ -182,7 +182,8 @@ OdcBackend::~OdcBackend() {
   for (auto& [type, ch] : channels_) {
     if (type == c10::kCUDA) {
       c10::cuda::CUDAGuard g(ch.device.index());
-      (void)cudaDeviceSynchronize();  // (the async stream is PyTorch's: never destroyed)
+      (void)cudaDeviceSynchronize();
+      if (ch.async_stream) give_async_stream(ch.device.index(), ch.async_stream);
     }
   }
 #endif
@@ -541,14 +542,14 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
       }
     }
     auto work = c10::make_intrusive<OdcWork>(getRank(), type, std::move(outputs), std::move(keep),
-                                             ch.transport.get());
+                                             ch.transport);
     work->set_done_event(ch.transport->completion(stream, ends_with_op), stream, device.index(),
                          blocking);
     return work;
   }
 #endif
   return c10::make_intrusive<OdcWork>(getRank(), type, std::move(outputs), std::move(keep),
-                                      ch.transport.get());
+                                      ch.transport);
 }
 
 c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor>& outputs,

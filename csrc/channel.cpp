@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
 
 #include "text.hpp"
 #include "transport_shm.hpp"
@@ -17,7 +20,6 @@
 #ifdef ODC_WITH_CUDA
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include "cuda/cuda_transport.hpp"
 #endif
@@ -120,10 +122,7 @@ Channel make_channel(const c10::Device& device, const Options& options,
                                                         o.accumulate_blocks, o.small_op_bytes,
                                                         o.fused_blocks, on_gpu,
                                                         o.stream_memops, other_gpus, std::move(memory));
-      // From PyTorch's pool (high priority), as ProcessGroupNCCL's streams: the caching
-      // allocator records async ops' tensors on it (recordStream) and may record events on it
-      // whenever they are freed, also after the group is gone, so it must never be destroyed.
-      ch.async_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index()).stream();
+      ch.async_stream = take_async_stream(device.index());
       ch.shares_device = shared_by_ranks(a, places);
 #else
       ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
@@ -155,6 +154,39 @@ Channel make_channel(const c10::Device& device, const Options& options,
   ch.protocol = std::make_unique<Protocol>(rank, size, a.layout, ch.transport.get());
   return ch;
 }
+
+#ifdef ODC_WITH_CUDA
+namespace {
+std::mutex g_async_mu;
+std::map<int, std::vector<void*>>& free_async_streams() {
+  static auto* free = new std::map<int, std::vector<void*>>();  // never destroyed, as its streams
+  return *free;
+}
+}  // namespace
+
+void* take_async_stream(int device) {
+  {
+    std::lock_guard<std::mutex> lock(g_async_mu);
+    auto& free = free_async_streams()[device];
+    if (!free.empty()) {
+      void* s = free.back();
+      free.pop_back();
+      return s;
+    }
+  }
+  c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device));
+  cudaStream_t s;
+  int lo = 0, hi = 0;
+  C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+  C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi));
+  return s;
+}
+
+void give_async_stream(int device, void* stream) {
+  std::lock_guard<std::mutex> lock(g_async_mu);
+  free_async_streams()[device].push_back(stream);
+}
+#endif
 
 
 }  // namespace odc

@@ -18,10 +18,12 @@ namespace odc {
 
 // One transport + protocol per device type this group has moved data on.
 struct Channel {
-  std::unique_ptr<Transport> transport;
+  // Shared with the Works of its collectives: a Work may outlive the group (its wait() and
+  // isCompleted() read the transport's asynchronous error).
+  std::shared_ptr<Transport> transport;
   std::unique_ptr<Protocol> protocol;
   c10::Device device{c10::kCPU};
-  void* async_stream = nullptr;  // CUDA: the side stream async ops run on (a PyTorch pool stream)
+  void* async_stream = nullptr;  // CUDA: the side stream async ops run on (take_async_stream)
   bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
   // Registered memory (allocate_tensor), made at its first use; shared with the tensors'
   // deleters.
@@ -33,5 +35,14 @@ struct Channel {
 // `options`. Errors name the group and what to change.
 Channel make_channel(const c10::Device& device, const Options& options,
                      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
+
+// CUDA: the stream a group's async collectives run on, its own while the group lives
+// (another group's collectives on it would run in issue order behind this one's device-side
+// waits, which can deadlock ranks that issue them in different orders), and never destroyed:
+// the caching allocator records an event on every stream an async collective's tensors were
+// recorded on when it frees them, also after the group is gone. A group gives its stream back
+// when destroyed; later groups on that device take it again.
+void* take_async_stream(int device);
+void give_async_stream(int device, void* stream);
 
 }  // namespace odc

@@ -601,14 +601,10 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
       std::vector<const char*> in_at;
       RegisteredId id;
       if (registered_inputs(ch, ag, inputs[i], outputs[i], per_rank, &in_at, &id)) {
-        const bool push = ag && options_->ag_push;
-        const uint64_t rd = desc(!ag  ? OpKind::ReduceScatterRegistered
-                                 : push ? OpKind::AllGatherRegisteredPush
-                                        : OpKind::AllGatherRegistered,
+        const uint64_t rd = desc(ag ? OpKind::AllGatherRegistered : OpKind::ReduceScatterRegistered,
                                  inputs[i], per_rank, red_op, !ag);
         if (ag) {
-          ch.protocol->all_gather_registered(outputs[i].data_ptr(), in_at, per_rank, id, seq, rd,
-                                             push);
+          ch.protocol->all_gather_registered(outputs[i].data_ptr(), in_at, per_rank, id, seq, rd);
         } else {
           ch.protocol->reduce_scatter_registered(outputs[i].data_ptr(), in_at, outputs[i].numel(),
                                                  elem, specs[i], id, seq, rd);

@@ -52,13 +52,9 @@ class Protocol {
   // sums its part of every rank's input, in rank order, as the ring form does), tells each
   // peer it is done, and completes once every peer is done with its input: as with NCCL, the
   // input may be reused once the call has completed.
-  // With push, each rank writes its own shard into every peer's output (which lies at the same
-  // place of that peer's pool) once the peer said it is ready, instead of reading the peers'
-  // shards: "done" then means "my shard is in your output". Every rank must choose the same way
-  // (the descriptor's kind differs: AllGatherRegisteredPush).
   void all_gather_registered(void* out, const std::vector<const char*>& in_at,
                              size_t shard_bytes, RegisteredId id, uint64_t op_seq,
-                             uint64_t desc = 0, bool push = false);
+                             uint64_t desc = 0);
   void reduce_scatter_registered(void* out, const std::vector<const char*>& in_at,
                                  size_t out_numel, size_t elem_size, const ReduceSpec& spec,
                                  RegisteredId id, uint64_t op_seq, uint64_t desc = 0);

@@ -80,8 +80,6 @@ KNOBS: tuple[Knob, ...] = (
          "largest copy or reduction output of a fused one-kernel CUDA op (8 MiB; 0: none)"),
     Knob("ODC_FUSED_BLOCKS", _int_in(1, 256), "fused_blocks", "most CUDA blocks of one fused op (32)"),
     Knob("ODC_STREAM_MEMOPS", _flag, "stream_memops", "CUDA waits/signals as stream memory operations (0)"),
-    Knob("ODC_AG_PUSH", _flag, "ag_push",
-         "zero-copy all-gathers push each rank's shard into its peers' outputs instead of getting theirs (0)"),
     Knob("ODC_TRANSPORT", _choice({"auto": TransportKind.AUTO, "nvshmem": TransportKind.NVSHMEM,
                                    "ipc": TransportKind.CUDA_IPC}, "auto, ipc or nvshmem"),
          "transport", "CUDA peers over auto (NVSHMEM for other hosts), nvshmem or ipc"),

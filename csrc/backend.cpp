@@ -689,7 +689,7 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
 
 #define ODC_DELEGATE(device_type, call)       \
   do {                                        \
-    count(Stat::DelegatedOps, 1);                \
+    count(Stat::DelegatedOps, 1);             \
     return inner(device_type)->call;          \
   } while (0)
 

@@ -188,5 +188,4 @@ void give_async_stream(int device, void* stream) {
 }
 #endif
 
-
 }  // namespace odc

@@ -451,8 +451,8 @@ bool CudaIpcTransport::fusable() {
 // path) where a block would have more than kFusedMaxBytesPerBlock to move.
 bool CudaIpcTransport::plan_fused_blocks() {
   int lanes_with_data = 0, lanes_without = 0;
-  std::vector<size_t> bytes(a_.world, 0);
-  std::vector<bool> has_steps(a_.world, false);
+  size_t bytes[kFusedMaxLanes] = {};  // fusable() checked world <= kFusedMaxLanes
+  bool has_steps[kFusedMaxLanes] = {};
   for (const Step& s : steps_) {
     const size_t b = s.kind == kStepCopy     ? s.value
                      : s.kind == kStepReduce ? s.value * dtype_size(s.spec.dtype) * s.n

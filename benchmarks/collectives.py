@@ -119,7 +119,8 @@ SMS_SOURCE = ("reported by the backend for one call of each size, after the time
               "sms = the most thread blocks the call held at once per rank (the fused kernel's grid; "
               "on the copy-engine path its reduction's grid plus one flag-kernel block per lane that "
               "ran one), an upper bound on SMs (one block per SM)")
-_ENGINE_KEYS = ("fused_ops", "fused_blocks", "copy_engine_ops", "copy_engine_blocks")
+_ENGINE_KEYS = ("fused_ops", "fused_blocks", "copy_engine_ops", "copy_engine_blocks",
+                "all_gather_push_ops")
 
 
 def engine_from_stats(before: dict, after: dict) -> dict:
@@ -134,7 +135,10 @@ def engine_from_stats(before: dict, after: dict) -> dict:
     else:
         return {"engine": "none", "sms": 0}
     ops = d["fused_ops"] + d["copy_engine_ops"]
-    return {"engine": engine, "sms": round((d["fused_blocks"] + d["copy_engine_blocks"]) / ops, 1)}
+    out = {"engine": engine, "sms": round((d["fused_blocks"] + d["copy_engine_blocks"]) / ops, 1)}
+    if d["all_gather_push_ops"]:  # zero-copy all-gathers that wrote the peers' outputs (ODC_AG_PUSH)
+        out["pushed"] = True
+    return out
 
 
 FLOOR_DEFINITION = (

@@ -601,10 +601,18 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
       std::vector<const char*> in_at;
       RegisteredId id;
       if (registered_inputs(ch, ag, inputs[i], outputs[i], per_rank, &in_at, &id)) {
-        const uint64_t rd = desc(ag ? OpKind::AllGatherRegistered : OpKind::ReduceScatterRegistered,
-                                 inputs[i], per_rank, red_op, !ag);
+        const bool push = ag && ch.push_all_gather;
+        const OpKind kind = !ag  ? OpKind::ReduceScatterRegistered
+                            : push ? OpKind::AllGatherRegisteredPush
+                                   : OpKind::AllGatherRegistered;
+        // A push writes into the peers' memory: its descriptor (with the buffer's place) is
+        // always checked, also with ODC_MATCH_CHECK=0.
+        const uint64_t rd = push ? op_desc(kind, static_cast<int>(inputs[i].scalar_type()), per_rank, 0)
+                                 : desc(kind, inputs[i], per_rank, red_op, !ag);
         if (ag) {
-          ch.protocol->all_gather_registered(outputs[i].data_ptr(), in_at, per_rank, id, seq, rd);
+          ch.protocol->all_gather_registered(outputs[i].data_ptr(), in_at, per_rank, id, seq, rd,
+                                             push);
+          if (push) count(Stat::AllGatherPushOps, 1);
         } else {
           ch.protocol->reduce_scatter_registered(outputs[i].data_ptr(), in_at, outputs[i].numel(),
                                                  elem, specs[i], id, seq, rd);
@@ -804,6 +812,7 @@ const char* stat_name(Stat s) {
       "registered_ops",
       "registered_allocations",
       "registered_fallbacks",
+      "all_gather_push_ops",
       "fused_ops",
       "fused_blocks",
       "copy_engine_ops",

@@ -51,6 +51,7 @@ enum class Stat : int {
   RegisteredOps,
   RegisteredAllocations,
   RegisteredFallbacks,
+  AllGatherPushOps,
   FusedOps,
   FusedBlocks,
   CopyEngineOps,

@@ -72,6 +72,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("small_op_bytes", &O::small_op_bytes, "ODC_SMALL_OP_BYTES (0: no fused op)")
       .def_readwrite("fused_blocks", &O::fused_blocks, "ODC_FUSED_BLOCKS")
       .def_readwrite("stream_memops", &O::stream_memops, "ODC_STREAM_MEMOPS")
+      .def_readwrite("ag_push", &O::ag_push, "ODC_AG_PUSH (-1: auto)")
       .def_readwrite("transport", &O::transport, "ODC_TRANSPORT")
       .def_readwrite("host_size", &O::host_size, "ODC_HOST_SIZE (0: one host)")
       .def_readwrite("match_check", &O::match_check, "ODC_MATCH_CHECK")

@@ -25,6 +25,10 @@ struct Channel {
   c10::Device device{c10::kCPU};
   void* async_stream = nullptr;  // CUDA: the side stream async ops run on (take_async_stream)
   bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
+  // Zero-copy all-gathers push each rank's shard into its peers' outputs instead of reading
+  // theirs (ODC_AG_PUSH; auto: where every rank of the group has a GPU of its own on this host,
+  // 3 ranks or more). The same on every rank: decided from what every rank sees alike.
+  bool push_all_gather = false;
   // Registered memory (allocate_tensor), made at its first use; shared with the tensors'
   // deleters.
   std::shared_ptr<RegisteredPool> pool;

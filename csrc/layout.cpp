@@ -52,6 +52,7 @@ const char* kind_name(OpKind kind) {
     case OpKind::Gather: return "gather";
     case OpKind::AllGatherRegistered: return "all_gather (registered memory)";
     case OpKind::ReduceScatterRegistered: return "reduce_scatter (registered memory)";
+    case OpKind::AllGatherRegisteredPush: return "all_gather (registered memory, pushed)";
   }
   return "unknown collective";
 }

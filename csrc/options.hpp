@@ -52,6 +52,7 @@ struct Options final : c10d::Backend::Options {
   size_t small_op_bytes = 8 << 20;  // ODC_SMALL_OP_BYTES: largest copy of a fused op (0: none)
   int fused_blocks = 32;          // ODC_FUSED_BLOCKS: most CUDA blocks of one fused op
   bool stream_memops = false;     // ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory ops
+  int ag_push = -1;  // ODC_AG_PUSH: zero-copy all-gathers push shards (1), get them (0), auto (-1)
   TransportKind transport = TransportKind::Auto;  // ODC_TRANSPORT
   int host_size = 0;  // ODC_HOST_SIZE: global ranks per host (g, h on one iff g / n == h / n)
   bool match_check = true;  // ODC_MATCH_CHECK: peers check each collective's descriptor

@@ -340,7 +340,7 @@ void Protocol::registered_finish(int ring, const std::vector<int>& peers, uint64
 
 void Protocol::all_gather_registered(void* out, const std::vector<const char*>& in_at,
                                      size_t shard_bytes, RegisteredId id, uint64_t op_seq,
-                                     uint64_t desc) {
+                                     uint64_t desc, bool push) {
   char* out_b = static_cast<char*>(out);
   char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
   const bool copy_own = my_part != in_at[rank_] && shard_bytes > 0;
@@ -348,8 +348,17 @@ void Protocol::all_gather_registered(void* out, const std::vector<const char*>& 
   if (world_ > 1) {
     id.number = ++registered_[0];
     registered_ready(0, id, desc);
-    for (int i = 1; i < world_; ++i) {  // each peer's shard on its lane
+    for (int i = 1; i < world_; ++i) {  // each peer on its lane
       const int p = (rank_ + i) % world_;
+      if (push) {  // p's output holds p's input at p's place; this rank's shard goes to its own
+        char* p_out = const_cast<char*>(in_at[p]) - static_cast<size_t>(p) * shard_bytes;
+        DescCheck check{{desc_in(rank_, kRegDesc[0], p, id.number - 1)}, desc, id.encode()};
+        t_->put_after(i, flag_in(rank_, kRegReady[0], p), p, id.number,
+                      {"all_gather", "the output of", op_seq}, desc ? &check : nullptr,
+                      p_out + static_cast<size_t>(rank_) * shard_bytes, in_at[rank_], shard_bytes,
+                      flag_in(p, kRegDone[0], rank_));
+        continue;
+      }
       registered_wait_ready(0, i, only_[p], id, desc, {"all_gather", "the input of", op_seq});
       if (shard_bytes) t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes, in_at[p], shard_bytes);
       registered_done(0, i, only_[p], id.number);
@@ -357,7 +366,9 @@ void Protocol::all_gather_registered(void* out, const std::vector<const char*>& 
   }
   if (copy_own) t_->copy(0, my_part, in_at[rank_], shard_bytes);
   if (world_ > 1) {
-    registered_finish(0, others_, id.number, {"all_gather", "the reads of this rank's input by", op_seq});
+    registered_finish(0, others_, id.number,
+                      {"all_gather", push ? "the shard pushed into this rank's output by"
+                                          : "the reads of this rank's input by", op_seq});
   }
 }
 

@@ -93,7 +93,8 @@ std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t
   const char* end = ". The group cannot be used any more.";
   const OpKind kind = decode_op_desc(mine).kind;
   if (theirs == mine &&
-      (kind == OpKind::AllGatherRegistered || kind == OpKind::ReduceScatterRegistered)) {
+      (kind == OpKind::AllGatherRegistered || kind == OpKind::AllGatherRegisteredPush ||
+       kind == OpKind::ReduceScatterRegistered)) {
     const RegisteredId a = RegisteredId::decode(chunk), b = RegisteredId::decode(their_chunk);
     if (a.number != b.number) {
       return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer, " and this rank (rank ",
@@ -102,7 +103,7 @@ std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t
     }
     return cat("odc: ", site.op, " #", site.op_seq, ": the registered buffers of rank ", peer,
                " and this rank (rank ", rank, ") are not at the same place: this rank's ",
-               kind == OpKind::AllGatherRegistered ? "output" : "input", " starts at byte ",
+               kind == OpKind::ReduceScatterRegistered ? "input" : "output", " starts at byte ",
                a.offset, " of its registered pool, rank ", peer, "'s at byte ", b.offset,
                ". Zero-copy collectives read their peers' buffers at the same place in the peer's "
                "pool: every rank must allocate them (allocate_tensor) with the same sizes in the "

@@ -8,6 +8,7 @@ the problem; a full pool hands out ordinary memory; FSDP2 trains the same with i
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -92,17 +93,21 @@ def _matches_worker(rank, world, kind):
         torch.cuda.synchronize()
     # zero-copy: all-gathers in place, reduce-scatters (empty ones have no address: staged)
     zero_copy = sum(c[1] > 0 and (c[0] == "rs" or c[3] is True) for c in cases)
-    return errors, _stats(dev), (len(cases) * 3, zero_copy * 3)
+    gathers = sum(c[1] > 0 and c[0] == "ag" and c[3] is True for c in cases)
+    return errors, _stats(dev), (len(cases) * 3, zero_copy * 3, gathers * 3)
 
 
+@pytest.mark.parametrize("push", [False, True], ids=["get", "push"])  # ODC_AG_PUSH
 @pytest.mark.parametrize("kind,world", [("cpu", 3), cuda_case("cuda", 2, id="cuda-2"),
                                         cuda_case("cuda", 4, id="cuda-4")])
-def test_registered_matches_staged(kind, world):
-    res = run_distributed(_matches_worker, world, kind, backend=_backend(kind), env=_env(kind),
+def test_registered_matches_staged(kind, world, push):
+    env = {**_env(kind), "ODC_AG_PUSH": "1" if push else "0"}
+    res = run_distributed(_matches_worker, world, kind, backend=_backend(kind), env=env,
                           timeout_s=TIMEOUT_S, deadline_s=240)
-    for rank, (errors, stats, (allocations, calls)) in res.items():
+    for rank, (errors, stats, (allocations, calls, gathers)) in res.items():
         assert not errors, f"rank {rank}: " + "\n".join(errors)
         assert stats.get("registered_ops") == calls, (rank, stats)  # every call went zero-copy
+        assert stats.get("all_gather_push_ops", 0) == (gathers if push else 0), (rank, stats)
         assert stats.get("registered_allocations") == allocations, (rank, stats)
         assert "registered_fallbacks" not in stats, (rank, stats)
 
@@ -124,8 +129,15 @@ def _disagree_worker(rank, world, kind):
         inp = _alloc(dev, 64 * world, F32, g)
         dist.reduce_scatter_tensor(torch.empty(64, device=dev), inp, group=g)
 
-    for name, call in {"paths": paths, "places": places}.items():
-        g = dist.new_group(list(range(world)))
+    def push(g):  # rank 1's group pushes its shards (ODC_AG_PUSH=1), the others get theirs
+        n = 64
+        buf = _alloc(dev, world * n, F32, g)
+        dist.all_gather_into_tensor(buf, buf[rank * n:(rank + 1) * n], group=g)
+
+    for name, call in {"paths": paths, "places": places, "push": push}.items():
+        os.environ["ODC_AG_PUSH"] = "1" if name == "push" and rank == 1 else "0"
+        g = dist.new_group(list(range(world)))  # its options are read now
+        os.environ.pop("ODC_AG_PUSH")
         t0 = time.monotonic()
         try:
             call(g)
@@ -150,6 +162,13 @@ def test_disagreeing_ranks_fail_at_once(kind):
         assert kind_ == "DistBackendError" and "issued a different collective" in msg, (rank, msg)
         assert "called all_gather (registered memory)" in msg and re.search(r"called all_gather[,.]", msg), (rank, msg)
         assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
+    for rank in range(world):
+        got = res[rank]["push"]
+        assert got is not None, f"rank {rank}: pushed and got all-gathers mixed without an error"
+        kind_, msg, took = got
+        assert kind_ == "DistBackendError" and "issued a different collective" in msg, (rank, msg)
+        assert "all_gather (registered memory, pushed)" in msg, (rank, msg)
+        assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
     for rank in range(world):  # the ranks reading rank 1's input (and rank 1) see the places differ
         got = res[rank]["places"]
         assert got is not None, f"rank {rank}: buffers at different places went unnoticed"
@@ -157,6 +176,50 @@ def test_disagreeing_ranks_fail_at_once(kind):
         assert kind_ == "DistBackendError", (rank, msg)
         assert "not at the same place" in msg and "same order" in msg, (rank, msg)
         assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
+
+
+def _push_places_worker(rank, world, kind):
+    """Every rank pushes (ODC_AG_PUSH=1), but rank 1's output lies elsewhere in its pool: where
+    the others believe it lies, rank 1 keeps another buffer (a canary) that no push may touch."""
+    dev = _device(kind)
+    n = 1_500_000  # 6 MB per rank: the copy engines unless the fused kernel is asked for
+    canary = _alloc(dev, world * n, F32).fill_(7.0) if rank == 1 else None
+    buf = _alloc(dev, world * n, F32)
+    _fill(buf[rank * n:(rank + 1) * n], rank)
+    t0 = time.monotonic()
+    try:
+        dist.all_gather_into_tensor(buf, buf[rank * n:(rank + 1) * n])
+        if kind == "cuda":
+            torch.cuda.synchronize()
+        dist.all_gather_into_tensor(torch.empty(world, device=dev), torch.ones(1, device=dev))
+        got = None
+    except Exception as exc:  # noqa: BLE001
+        got = (type(exc).__name__, str(exc), time.monotonic() - t0)
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    intact = None if canary is None else bool((canary == 7.0).all())
+    return got, intact, _stats(dev)
+
+
+@pytest.mark.parametrize("kind,env", [
+    ("cpu", {}),
+    cuda_case("cuda", {"ODC_SMALL_OP_BYTES": "0"}, id="cuda-copy-engines"),
+    cuda_case("cuda", {"ODC_SMALL_OP_BYTES": "0", "ODC_MATCH_CHECK": "0"}, id="cuda-copy-engines-no-match-check"),
+    cuda_case("cuda", {"ODC_SMALL_OP_BYTES": "64M", "ODC_FUSED_BLOCKS": "64"}, id="cuda-fused"),
+])
+def test_push_never_writes_where_the_peer_has_no_output(kind, env):
+    world = 3
+    res = run_distributed(_push_places_worker, world, kind, backend=_backend(kind),
+                          env={**_env(kind), **env, "ODC_AG_PUSH": "1"}, timeout_s=TIMEOUT_S,
+                          deadline_s=240)
+    for rank, (got, intact, stats) in res.items():
+        assert got is not None, f"rank {rank}: outputs at different places went unnoticed"
+        kind_, msg, took = got
+        assert kind_ == "DistBackendError" and "not at the same place" in msg, (rank, msg)
+        assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
+        if kind == "cuda":  # counted once issued (a host transport's wait throws before)
+            assert stats.get("all_gather_push_ops") == 1, (rank, stats)
+    assert res[1][1] is True, "a push wrote into rank 1's other buffer"
 
 
 def _full_pool_worker(rank, world):

@@ -80,6 +80,9 @@ KNOBS: tuple[Knob, ...] = (
          "largest copy or reduction output of a fused one-kernel CUDA op (8 MiB; 0: none)"),
     Knob("ODC_FUSED_BLOCKS", _int_in(1, 256), "fused_blocks", "most CUDA blocks of one fused op (32)"),
     Knob("ODC_STREAM_MEMOPS", _flag, "stream_memops", "CUDA waits/signals as stream memory operations (0)"),
+    Knob("ODC_AG_PUSH", _choice({"auto": -1, "1": 1, "0": 0}, "auto, 1 or 0"), "ag_push",
+         "zero-copy all-gathers write each rank's shard into its peers' outputs (1) or read the "
+         "peers' shards (0); auto: push where every rank has a GPU of its own on one host"),
     Knob("ODC_TRANSPORT", _choice({"auto": TransportKind.AUTO, "nvshmem": TransportKind.NVSHMEM,
                                    "ipc": TransportKind.CUDA_IPC}, "auto, ipc or nvshmem"),
          "transport", "CUDA peers over auto (NVSHMEM for other hosts), nvshmem or ipc"),

@@ -288,6 +288,11 @@ CudaIpcTransport::~CudaIpcTransport() {
   }
   for (auto& ev : ring_done_) ev.reset();
   last_done_.reset();
+  for (auto& [key, g] : put_graphs_) {
+    (void)cudaGraphExecDestroy(g.exec);
+    (void)cudaGraphDestroy(g.graph);
+    (void)cudaFree(g.go);
+  }
   if (wd_stream_) (void)cudaStreamDestroy(wd_stream_);
   for (auto& [stream, l] : lanes_) {
     for (auto s : l.side) (void)cudaStreamDestroy(s);
@@ -362,6 +367,18 @@ void CudaIpcTransport::store(int lane, const std::vector<uint64_t*>& words, uint
 
 void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) {
   steps_.push_back(Step{kStepCopy, lane, 0, 0, bytes, 0, 0, dst, src, {}, {}});
+}
+
+void CudaIpcTransport::put_after(int lane, const uint64_t* flag, int peer, uint64_t target,
+                                 const WaitSite& site, const DescCheck* check, void* dst,
+                                 const void* src, size_t bytes, uint64_t* done) {
+  const size_t first = steps_.size();
+  wait(lane, {flag}, {peer}, target, site, check);
+  if (bytes) copy(lane, dst, src, bytes);
+  signal(lane, {done}, target);
+  // The fused kernel skips a lane's later steps where its wait fails; the copy engines run
+  // these as a conditional graph (issue_puts).
+  for (size_t i = first; i < steps_.size(); ++i) steps_[i].guarded = true;
 }
 
 void CudaIpcTransport::accumulate(int lane, float* dst, const void* src, size_t numel,
@@ -565,7 +582,15 @@ void CudaIpcTransport::run_on_copy_engines() {
   ce_reduce_blocks_ = 0;
   std::vector<uint64_t*> sigs;
   std::vector<const void*> srcs;
-  for (const Step& s : steps_) {
+  for (size_t i = 0; i < steps_.size(); ++i) {
+    const Step& s = steps_[i];
+    if (s.guarded) {  // a run of puts: one graph on the op stream
+      size_t end = i;
+      while (end < steps_.size() && steps_[end].guarded) ++end;
+      issue_puts(i, end);
+      i = end - 1;
+      continue;
+    }
     switch (s.kind) {
       case kStepWait:
         // Signals issued on other lanes before this wait go out first. Streams may share a
@@ -625,6 +650,127 @@ void CudaIpcTransport::run_on_copy_engines() {
     std::lock_guard<std::mutex> lk(wd_mu_);
     tracked_.push_back(std::move(t));
   }
+}
+
+// A put's gate: its wait step's counter, target and check, the group's timeout, error record
+// and watch.
+GateOp CudaIpcTransport::gate_of(const Step& w, uint64_t* go, cudaGraphConditionalHandle cond) const {
+  GateOp g{};
+  g.flag = static_cast<const uint64_t*>(ptrs_[w.first]);
+  g.desc = w.desc ? static_cast<const uint64_t*>(ptrs_[w.first + w.n]) : nullptr;
+  g.target = w.value;
+  g.desc_expected = w.desc;
+  g.desc_id = w.desc_id;
+  g.timeout_ns = static_cast<unsigned long long>(a_.timeout.count()) * 1000000ull;
+  g.op_seq = w.site.op_seq;
+  g.op = w.site.op;
+  g.what = w.site.what;
+  g.err = err_dev_;
+  g.watch_slots = watch_.slots;
+  g.watch_word = watch_.word;
+  g.go = go;
+  g.cond = cond;
+  g.peer = peers_[w.first];
+  return g;
+}
+
+// The graph of the puts in steps_[first, end) (each: a wait on one counter, a copy unless
+// empty, a signal of one counter), made once per set of places and sizes.
+CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(size_t first, size_t end,
+                                                        const std::vector<uintptr_t>& key) {
+  auto it = put_graphs_.find(key);
+  if (it != put_graphs_.end()) return it->second;
+  constexpr size_t kMaxPutGraphs = 1024;
+  if (put_graphs_.size() >= kMaxPutGraphs) {  // rare: start over once the graphs are idle
+    check(cudaDeviceSynchronize(), "waiting for the puts' graphs");
+    for (auto& [k, g] : put_graphs_) {
+      (void)cudaGraphExecDestroy(g.exec);
+      (void)cudaGraphDestroy(g.graph);
+      (void)cudaFree(g.go);
+    }
+    put_graphs_.clear();
+  }
+  PutGraph g;
+  std::vector<const Step*> waits;
+  for (size_t i = first; i < end; ++i) {
+    if (steps_[i].kind == kStepWait) waits.push_back(&steps_[i]);
+  }
+  check(cudaMalloc(&g.go, waits.size() * sizeof(uint64_t)), "allocating the puts' words");
+  check(cudaGraphCreate(&g.graph, 0), "creating the puts' graph");
+  cudaGraphNode_t prev = nullptr;
+  size_t k = 0;
+  for (size_t i = first; i < end; ++k) {
+    const Step& w = steps_[i++];
+    const Step* data = i < end && steps_[i].kind == kStepCopy ? &steps_[i++] : nullptr;
+    const Step& sig = steps_[i++];
+    if (w.kind != kStepWait || w.n != 1 || sig.kind != kStepSignal || sig.n != 1 || sig.value != w.value) {
+      throw std::logic_error("odc: a put is a wait, a copy and a signal of one counter");
+    }
+    cudaGraphConditionalHandle cond;
+    check(cudaGraphConditionalHandleCreate(&cond, g.graph, 0, cudaGraphCondAssignDefault),
+          "creating a put's condition");
+    GateOp op = gate_of(w, g.go + k, cond);
+    void* args[1] = {&op};
+    const cudaKernelNodeParams kp = gate_node_params(args);
+    cudaGraphNode_t gate, node;
+    check(cudaGraphAddKernelNode(&gate, g.graph, prev ? &prev : nullptr, prev ? 1 : 0, &kp),
+          "adding a put's gate");
+    cudaGraphNodeParams cp{};
+    cp.type = cudaGraphNodeTypeConditional;
+    cp.conditional.handle = cond;
+    cp.conditional.type = cudaGraphCondTypeIf;
+    cp.conditional.size = 1;
+    check(cudaGraphAddNode(&node, g.graph, &gate, nullptr, 1, &cp), "adding a put's condition");
+    cudaGraph_t body = cp.conditional.phGraph_out[0];
+    cudaGraphNode_t copied = nullptr, signalled;
+    if (data) {
+      check(cudaGraphAddMemcpyNode1D(&copied, body, nullptr, 0, data->dst, data->src, data->value,
+                                     cudaMemcpyDeviceToDevice), "adding a put's copy");
+    }
+    void* done = const_cast<void*>(ptrs_[sig.first]);
+    check(cudaGraphAddMemcpyNode1D(&signalled, body, copied ? &copied : nullptr, copied ? 1 : 0,
+                                   done, g.go + k, sizeof(uint64_t), cudaMemcpyDeviceToDevice),
+          "adding a put's signal");
+    g.gates.push_back(gate);
+    g.conds.push_back(cond);
+    prev = node;
+  }
+  check(cudaGraphInstantiate(&g.exec, g.graph, 0), "instantiating the puts' graph");
+  return put_graphs_.emplace(key, std::move(g)).first->second;
+}
+
+void CudaIpcTransport::issue_puts(size_t first, size_t end) {
+  // After every signal issued before them (this rank's "ready" among them), as a wait.
+  for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(op_stream_, &capturing), "cudaStreamIsCapturing");
+  if (capturing != cudaStreamCaptureStatusNone) {
+    throw std::invalid_argument(
+        "odc: a pushed all-gather (ODC_AG_PUSH) on the copy engines cannot be captured in a CUDA "
+        "graph: set ODC_AG_PUSH=0 on every rank");
+  }
+  std::vector<uintptr_t> key;  // where each put reads, writes and signals
+  for (size_t i = first; i < end; ++i) {
+    const Step& s = steps_[i];
+    key.push_back(s.kind);
+    if (s.kind == kStepCopy) {
+      key.insert(key.end(), {reinterpret_cast<uintptr_t>(s.dst), reinterpret_cast<uintptr_t>(s.src), s.value});
+    } else {
+      for (int j = 0; j < (s.desc ? 2 : 1) * s.n; ++j) key.push_back(reinterpret_cast<uintptr_t>(ptrs_[s.first + j]));
+    }
+  }
+  PutGraph& g = put_graph(first, end, key);
+  size_t k = 0;
+  for (size_t i = first; i < end; ++i) {  // this operation's targets, checks and numbers
+    if (steps_[i].kind != kStepWait) continue;
+    GateOp op = gate_of(steps_[i], g.go + k, g.conds[k]);
+    void* args[1] = {&op};
+    const cudaKernelNodeParams kp = gate_node_params(args);
+    check(cudaGraphExecKernelNodeSetParams(g.exec, g.gates[k], &kp), "setting a put's gate");
+    ++k;
+  }
+  check(cudaGraphLaunch(g.exec, op_stream_), "launching the puts");
+  flagged_[0] = true;  // the gates: one warp at a time
 }
 
 cudaStream_t CudaIpcTransport::lane_stream(int lane) const {

@@ -28,6 +28,7 @@
 #include <condition_variable>
 #include <deque>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -69,6 +70,9 @@ class CudaIpcTransport final : public Transport {
   void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) override;
   void store(int lane, const std::vector<uint64_t*>& words, uint64_t value) override;
   void copy(int lane, void* dst, const void* src, size_t bytes) override;
+  void put_after(int lane, const uint64_t* flag, int peer, uint64_t target, const WaitSite& site,
+                 const DescCheck* check, void* dst, const void* src, size_t bytes,
+                 uint64_t* done) override;
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
               const ReduceSpec& spec) override;
   void begin_op(void* stream, Ring ring) override;
@@ -97,6 +101,7 @@ class CudaIpcTransport final : public Transport {
     const void* src;
     ReduceSpec spec;
     WaitSite site;
+    bool guarded = false;  // a step of a put_after: runs only if its wait succeeded
   };
   // ---- stream memory operations and their watchdog
   using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
@@ -121,6 +126,24 @@ class CudaIpcTransport final : public Transport {
   void watchdog_loop();
   bool diagnose_and_release(const Tracked& op);  // caller holds wd_mu_
 
+
+  // ---- Puts on the copy engines (put_after): a CUDA graph per set of puts, made at its
+  // first use and kept (FSDP's buffers recur every step): per put, a gate kernel, then a
+  // conditional node whose body is the copy and the signal (a copy of the gate's `go`
+  // word to the peer's counter), run only when the gate set its condition. The puts of one
+  // operation run one after another on its stream (for writes to 3 peers measured faster
+  // than a stream per peer).
+  struct PutGraph {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    std::vector<cudaGraphNode_t> gates;
+    std::vector<cudaGraphConditionalHandle> conds;
+    uint64_t* go = nullptr;  // one word per put
+  };
+  void issue_puts(size_t first, size_t end);  // steps_[first, end): guarded steps
+  PutGraph& put_graph(size_t first, size_t end, const std::vector<uintptr_t>& key);
+  GateOp gate_of(const Step& wait, uint64_t* go, cudaGraphConditionalHandle cond) const;
+  std::map<std::vector<uintptr_t>, PutGraph> put_graphs_;
 
   bool fusable();            // and plans the blocks (fused_plan_)
   bool plan_fused_blocks();

@@ -131,6 +131,21 @@ __global__ void flag_kernel(FlagOp op) {
   }
 }
 
+__global__ void gate_kernel(const __grid_constant__ GateOp g) {
+  if (threadIdx.x != 0) return;
+  volatile DeviceError* err = g.err;
+  if (err->code != 0) return;  // the group failed: nothing more goes into a peer's memory
+  if (!wait_counter(g.flag, g.target, global_ns(), g.timeout_ns, g.err, g.peer, g.op_seq, g.op,
+                    g.what, PeerWatch{g.watch_slots, g.watch_word})) {
+    return;
+  }
+  if (g.desc_expected && !check_desc(g.desc, g.desc_expected, g.desc_id, g.err, g.peer, g.op_seq, g.op)) {
+    return;
+  }
+  *g.go = g.target;  // ordered before the graph's next nodes (the kernel's completion)
+  cudaGraphSetConditional(g.cond, 1);
+}
+
 template <typename T> __device__ __forceinline__ float to_f(T v);
 template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
@@ -672,6 +687,17 @@ cudaError_t launch_fused(const FusedOp& op, int device, cudaStream_t stream) {
   }
   fused_kernel<<<grid, kFusedThreads, 0, stream>>>(op);
   return cudaGetLastError();
+}
+
+cudaKernelNodeParams gate_node_params(void** args) {
+  cudaKernelNodeParams p{};
+  p.func = reinterpret_cast<void*>(&gate_kernel);
+  p.gridDim = dim3(1);
+  p.blockDim = dim3(32);
+  p.sharedMemBytes = 0;
+  p.kernelParams = args;  // {GateOp*}
+  p.extra = nullptr;
+  return p;
 }
 
 cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream) {

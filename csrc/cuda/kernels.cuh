@@ -56,6 +56,29 @@ struct FlagOp {
   unsigned long long watch_word;  // and this rank's own announcement
 };
 
+// The gate of a put (Transport::put_after) on the copy engines: one thread waits for the
+// peer's counter and checks its descriptor as a flag kernel does; only where that succeeds
+// does it store the counter's value in `go` (which the put's signal copies to the peer) and
+// set `cond`, the condition of the graph node that holds the put's copies. A failed gate
+// leaves the condition 0: the copies never run.
+struct GateOp {
+  const uint64_t* flag;
+  const uint64_t* desc;           // the peer's descriptor (null: unchecked)
+  unsigned long long target;
+  unsigned long long desc_expected;
+  unsigned long long desc_id;
+  unsigned long long timeout_ns;
+  unsigned long long op_seq;
+  const char* op;
+  const char* what;
+  DeviceError* err;
+  const uint64_t* watch_slots;    // PeerWatch, as in FlagOp
+  unsigned long long watch_word;
+  uint64_t* go;
+  cudaGraphConditionalHandle cond;
+  int peer;
+};
+
 struct ReduceOpArgs {
   const void* src[kMaxPeers];
   int n_src;
@@ -128,6 +151,9 @@ static_assert(sizeof(FlagOp) <= 4000, "kernel parameters are limited to 4 KiB");
 // device: the current device (its context runs the kernel)
 cudaError_t launch_fused(const FusedOp& op, int device, cudaStream_t stream);
 cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
+// A graph kernel node's parameters that run the gate kernel with args = {GateOp*} (both must
+// live until the node is added or its parameters set: the argument is copied then).
+cudaKernelNodeParams gate_node_params(void** args);
 // Load every kernel's module now. Under lazy loading (PyTorch's default) the
 // first launch of a kernel may wait for the kernels already running, and a
 // running flag kernel may be waiting for a peer that is itself stuck loading:

@@ -652,12 +652,22 @@ void CudaIpcTransport::run_on_copy_engines() {
   }
 }
 
-// A put's gate: its wait step's counter, target and check, the group's timeout, error record
-// and watch.
-GateOp CudaIpcTransport::gate_of(const Step& w, uint64_t* go, cudaGraphConditionalHandle cond) const {
+// The gate of the puts whose waits are `waits`: their counters, target and checks, the group's
+// timeout, error record and watch.
+GateOp CudaIpcTransport::gate_of(const std::vector<const Step*>& waits, uint64_t* go,
+                                 cudaGraphConditionalHandle cond) const {
   GateOp g{};
-  g.flag = static_cast<const uint64_t*>(ptrs_[w.first]);
-  g.desc = w.desc ? static_cast<const uint64_t*>(ptrs_[w.first + w.n]) : nullptr;
+  const Step& w = *waits.front();
+  g.n = static_cast<int>(waits.size());
+  for (int i = 0; i < g.n; ++i) {
+    const Step& x = *waits[i];
+    if (x.value != w.value || x.desc != w.desc || x.desc_id != w.desc_id) {
+      throw std::logic_error("odc: the puts of one gate wait for the same number and check");
+    }
+    g.flag[i] = static_cast<const uint64_t*>(ptrs_[x.first]);
+    g.desc[i] = x.desc ? static_cast<const uint64_t*>(ptrs_[x.first + x.n]) : nullptr;
+    g.peer[i] = peers_[x.first];
+  }
   g.target = w.value;
   g.desc_expected = w.desc;
   g.desc_id = w.desc_id;
@@ -670,12 +680,30 @@ GateOp CudaIpcTransport::gate_of(const Step& w, uint64_t* go, cudaGraphCondition
   g.watch_word = watch_.word;
   g.go = go;
   g.cond = cond;
-  g.peer = peers_[w.first];
   return g;
 }
 
-// The graph of the puts in steps_[first, end) (each: a wait on one counter, a copy unless
-// empty, a signal of one counter), made once per set of places and sizes.
+// The puts in steps_[first, end) (each: a wait on one counter, a copy unless empty, a signal
+// of one counter), split among gates: one gate for all, or one per put.
+std::vector<CudaIpcTransport::PutSet> CudaIpcTransport::put_sets(size_t first, size_t end) const {
+  std::vector<PutSet> sets;
+  for (size_t i = first; i < end;) {
+    const Step* w = &steps_[i++];
+    const Step* data = i < end && steps_[i].kind == kStepCopy ? &steps_[i++] : nullptr;
+    const Step* sig = i < end ? &steps_[i++] : nullptr;
+    if (w->kind != kStepWait || w->n != 1 || !sig || sig->kind != kStepSignal || sig->n != 1 ||
+        sig->value != w->value) {
+      throw std::logic_error("odc: a put is a wait, a copy and a signal of one counter");
+    }
+    if (sets.empty() || !one_gate_ || sets.back().waits.size() == kMaxGatePeers) sets.emplace_back();
+    sets.back().waits.push_back(w);
+    sets.back().copies.push_back(data);
+    sets.back().signals.push_back(sig);
+  }
+  return sets;
+}
+
+// The graph of the puts in steps_[first, end), made once per set of places and sizes.
 CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(size_t first, size_t end,
                                                         const std::vector<uintptr_t>& key) {
   auto it = put_graphs_.find(key);
@@ -691,25 +719,18 @@ CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(size_t first, size_t end
     put_graphs_.clear();
   }
   PutGraph g;
-  std::vector<const Step*> waits;
-  for (size_t i = first; i < end; ++i) {
-    if (steps_[i].kind == kStepWait) waits.push_back(&steps_[i]);
-  }
-  check(cudaMalloc(&g.go, waits.size() * sizeof(uint64_t)), "allocating the puts' words");
+  const std::vector<PutSet> sets = put_sets(first, end);
+  size_t puts = 0;
+  for (const PutSet& set : sets) puts += set.waits.size();
+  check(cudaMalloc(&g.go, puts * sizeof(uint64_t)), "allocating the puts' words");
   check(cudaGraphCreate(&g.graph, 0), "creating the puts' graph");
   cudaGraphNode_t prev = nullptr;
-  size_t k = 0;
-  for (size_t i = first; i < end; ++k) {
-    const Step& w = steps_[i++];
-    const Step* data = i < end && steps_[i].kind == kStepCopy ? &steps_[i++] : nullptr;
-    const Step& sig = steps_[i++];
-    if (w.kind != kStepWait || w.n != 1 || sig.kind != kStepSignal || sig.n != 1 || sig.value != w.value) {
-      throw std::logic_error("odc: a put is a wait, a copy and a signal of one counter");
-    }
+  uint64_t* go = g.go;
+  for (const PutSet& set : sets) {
     cudaGraphConditionalHandle cond;
     check(cudaGraphConditionalHandleCreate(&cond, g.graph, 0, cudaGraphCondAssignDefault),
           "creating a put's condition");
-    GateOp op = gate_of(w, g.go + k, cond);
+    GateOp op = gate_of(set.waits, go, cond);
     void* args[1] = {&op};
     const cudaKernelNodeParams kp = gate_node_params(args);
     cudaGraphNode_t gate, node;
@@ -722,15 +743,21 @@ CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(size_t first, size_t end
     cp.conditional.size = 1;
     check(cudaGraphAddNode(&node, g.graph, &gate, nullptr, 1, &cp), "adding a put's condition");
     cudaGraph_t body = cp.conditional.phGraph_out[0];
-    cudaGraphNode_t copied = nullptr, signalled;
-    if (data) {
-      check(cudaGraphAddMemcpyNode1D(&copied, body, nullptr, 0, data->dst, data->src, data->value,
-                                     cudaMemcpyDeviceToDevice), "adding a put's copy");
+    cudaGraphNode_t last = nullptr;  // the body runs its puts one after another
+    for (size_t k = 0; k < set.waits.size(); ++k, ++go) {
+      cudaGraphNode_t n;
+      if (const Step* data = set.copies[k]) {
+        check(cudaGraphAddMemcpyNode1D(&n, body, last ? &last : nullptr, last ? 1 : 0, data->dst,
+                                       data->src, data->value, cudaMemcpyDeviceToDevice),
+              "adding a put's copy");
+        last = n;
+      }
+      void* done = const_cast<void*>(ptrs_[set.signals[k]->first]);
+      check(cudaGraphAddMemcpyNode1D(&n, body, last ? &last : nullptr, last ? 1 : 0, done, go,
+                                     sizeof(uint64_t), cudaMemcpyDeviceToDevice),
+            "adding a put's signal");
+      last = n;
     }
-    void* done = const_cast<void*>(ptrs_[sig.first]);
-    check(cudaGraphAddMemcpyNode1D(&signalled, body, copied ? &copied : nullptr, copied ? 1 : 0,
-                                   done, g.go + k, sizeof(uint64_t), cudaMemcpyDeviceToDevice),
-          "adding a put's signal");
     g.gates.push_back(gate);
     g.conds.push_back(cond);
     prev = node;
@@ -760,17 +787,18 @@ void CudaIpcTransport::issue_puts(size_t first, size_t end) {
     }
   }
   PutGraph& g = put_graph(first, end, key);
+  uint64_t* go = g.go;
   size_t k = 0;
-  for (size_t i = first; i < end; ++i) {  // this operation's targets, checks and numbers
-    if (steps_[i].kind != kStepWait) continue;
-    GateOp op = gate_of(steps_[i], g.go + k, g.conds[k]);
+  for (const PutSet& set : put_sets(first, end)) {  // this operation's numbers and checks
+    GateOp op = gate_of(set.waits, go, g.conds[k]);
     void* args[1] = {&op};
     const cudaKernelNodeParams kp = gate_node_params(args);
     check(cudaGraphExecKernelNodeSetParams(g.exec, g.gates[k], &kp), "setting a put's gate");
+    go += set.waits.size();
     ++k;
   }
   check(cudaGraphLaunch(g.exec, op_stream_), "launching the puts");
-  flagged_[0] = true;  // the gates: one warp at a time
+  flagged_[0] = true;  // the gates: one block at a time
 }
 
 cudaStream_t CudaIpcTransport::lane_stream(int lane) const {

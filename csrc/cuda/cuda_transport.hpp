@@ -140,10 +140,16 @@ class CudaIpcTransport final : public Transport {
     std::vector<cudaGraphConditionalHandle> conds;
     uint64_t* go = nullptr;  // one word per put
   };
+  struct PutSet {  // the puts behind one gate
+    std::vector<const Step*> waits, copies, signals;  // copies[k] null: nothing to copy
+  };
   void issue_puts(size_t first, size_t end);  // steps_[first, end): guarded steps
+  std::vector<PutSet> put_sets(size_t first, size_t end) const;
   PutGraph& put_graph(size_t first, size_t end, const std::vector<uintptr_t>& key);
-  GateOp gate_of(const Step& wait, uint64_t* go, cudaGraphConditionalHandle cond) const;
+  GateOp gate_of(const std::vector<const Step*>& waits, uint64_t* go,
+                 cudaGraphConditionalHandle cond) const;
   std::map<std::vector<uintptr_t>, PutGraph> put_graphs_;
+  bool one_gate_ = false;  // one gate for all of an operation's puts, or one per put
 
   bool fusable();            // and plans the blocks (fused_plan_)
   bool plan_fused_blocks();

@@ -132,17 +132,23 @@ __global__ void flag_kernel(FlagOp op) {
 }
 
 __global__ void gate_kernel(const __grid_constant__ GateOp g) {
-  if (threadIdx.x != 0) return;
+  __shared__ int failed;
   volatile DeviceError* err = g.err;
-  if (err->code != 0) return;  // the group failed: nothing more goes into a peer's memory
-  if (!wait_counter(g.flag, g.target, global_ns(), g.timeout_ns, g.err, g.peer, g.op_seq, g.op,
-                    g.what, PeerWatch{g.watch_slots, g.watch_word})) {
-    return;
+  if (threadIdx.x == 0) failed = err->code != 0;  // the group failed: nothing more into peers' memory
+  __syncthreads();
+  if (failed) return;
+  const uint64_t start = global_ns();
+  for (int i = threadIdx.x; i < g.n; i += blockDim.x) {
+    if (!wait_counter(g.flag[i], g.target, start, g.timeout_ns, g.err, g.peer[i], g.op_seq, g.op,
+                      g.what, PeerWatch{g.watch_slots, g.watch_word}) ||
+        (g.desc_expected && !check_desc(g.desc[i], g.desc_expected, g.desc_id, g.err, g.peer[i],
+                                        g.op_seq, g.op))) {
+      failed = 1;
+    }
   }
-  if (g.desc_expected && !check_desc(g.desc, g.desc_expected, g.desc_id, g.err, g.peer, g.op_seq, g.op)) {
-    return;
-  }
-  *g.go = g.target;  // ordered before the graph's next nodes (the kernel's completion)
+  __syncthreads();
+  if (failed || threadIdx.x != 0) return;
+  for (int i = 0; i < g.n; ++i) g.go[i] = g.target;  // ordered before the graph's next nodes
   cudaGraphSetConditional(g.cond, 1);
 }
 

@@ -56,14 +56,17 @@ struct FlagOp {
   unsigned long long watch_word;  // and this rank's own announcement
 };
 
-// The gate of a put (Transport::put_after) on the copy engines: one thread waits for the
-// peer's counter and checks its descriptor as a flag kernel does; only where that succeeds
-// does it store the counter's value in `go` (which the put's signal copies to the peer) and
-// set `cond`, the condition of the graph node that holds the put's copies. A failed gate
-// leaves the condition 0: the copies never run.
+// The gate of puts (Transport::put_after) on the copy engines: its threads wait for the peers'
+// counters and check their descriptors as a flag kernel does; only where every one succeeds
+// does it store the target in each put's `go` word (which the put's signal copies to the
+// peer) and set `cond`, the condition of the graph node that holds the puts' copies. A failed
+// gate leaves the condition 0: the copies never run.
+constexpr int kMaxGatePeers = 16;
 struct GateOp {
-  const uint64_t* flag;
-  const uint64_t* desc;           // the peer's descriptor (null: unchecked)
+  const uint64_t* flag[kMaxGatePeers];
+  const uint64_t* desc[kMaxGatePeers];  // the peers' descriptors (null: unchecked)
+  int peer[kMaxGatePeers];
+  int n;
   unsigned long long target;
   unsigned long long desc_expected;
   unsigned long long desc_id;
@@ -74,9 +77,8 @@ struct GateOp {
   DeviceError* err;
   const uint64_t* watch_slots;    // PeerWatch, as in FlagOp
   unsigned long long watch_word;
-  uint64_t* go;
+  uint64_t* go;                   // n words
   cudaGraphConditionalHandle cond;
-  int peer;
 };
 
 struct ReduceOpArgs {

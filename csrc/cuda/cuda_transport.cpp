@@ -684,7 +684,7 @@ GateOp CudaIpcTransport::gate_of(const std::vector<const Step*>& waits, uint64_t
 }
 
 // The puts in steps_[first, end) (each: a wait on one counter, a copy unless empty, a signal
-// of one counter), split among gates: one gate for all, or one per put.
+// of one counter), behind as few gates as hold them.
 std::vector<CudaIpcTransport::PutSet> CudaIpcTransport::put_sets(size_t first, size_t end) const {
   std::vector<PutSet> sets;
   for (size_t i = first; i < end;) {
@@ -695,7 +695,7 @@ std::vector<CudaIpcTransport::PutSet> CudaIpcTransport::put_sets(size_t first, s
         sig->value != w->value) {
       throw std::logic_error("odc: a put is a wait, a copy and a signal of one counter");
     }
-    if (sets.empty() || !one_gate_ || sets.back().waits.size() == kMaxGatePeers) sets.emplace_back();
+    if (sets.empty() || sets.back().waits.size() == kMaxGatePeers) sets.emplace_back();
     sets.back().waits.push_back(w);
     sets.back().copies.push_back(data);
     sets.back().signals.push_back(sig);

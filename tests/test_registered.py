@@ -56,7 +56,8 @@ def _fill(t, seed):
 
 # (op, elements per rank, dtype, reduce op or in place); an all-gather not in place takes the
 # staged path even from registered memory (only whole buffers qualify); 300 000 bf16 elements per rank = 600 KB:
-# the fused kernel on CUDA; 1.5 M fp32 = 6 MB per rank: the copy engines.
+# the fused kernel on CUDA; 1.5 M fp32 = 6 MB per rank: the copy engines where the fused kernel's
+# blocks would each move more than 1 MiB (ranks sharing a GPU), else the fused kernel too.
 CASES = [("ag", 1001, BF16, True), ("ag", 1000, F32, False), ("ag", 0, F32, True),
          ("rs", 1001, F32, dist.ReduceOp.SUM), ("rs", 1000, BF16, dist.ReduceOp.AVG),
          ("ag", 300_000, BF16, True), ("rs", 1_500_000, F32, dist.ReduceOp.SUM),
@@ -97,19 +98,27 @@ def _matches_worker(rank, world, kind):
     return errors, _stats(dev), (len(cases) * 3, zero_copy * 3, gathers * 3)
 
 
-@pytest.mark.parametrize("push", [False, True], ids=["get", "push"])  # ODC_AG_PUSH
-@pytest.mark.parametrize("kind,world", [("cpu", 3), cuda_case("cuda", 2, id="cuda-2"),
-                                        cuda_case("cuda", 4, id="cuda-4")])
-def test_registered_matches_staged(kind, world, push):
-    env = {**_env(kind), "ODC_AG_PUSH": "1" if push else "0"}
-    res = run_distributed(_matches_worker, world, kind, backend=_backend(kind), env=env,
-                          timeout_s=TIMEOUT_S, deadline_s=240)
+# How the zero-copy all-gathers move the shards: gets, pushes (the fused kernel up to 8 MiB per
+# copy, the copy engines' conditional graph above), or pushes all on the copy engines.
+MODES = {"get": {"ODC_AG_PUSH": "0"}, "push": {"ODC_AG_PUSH": "1"},
+         "push-copy-engines": {"ODC_AG_PUSH": "1", "ODC_SMALL_OP_BYTES": "0"}}
+
+
+@pytest.mark.parametrize("kind,world,mode", [
+    ("cpu", 3, "get"), ("cpu", 3, "push"),
+    *(cuda_case("cuda", w, m, id=f"cuda-{w}-{m}") for w in (2, 4) for m in MODES)])
+def test_registered_matches_staged(kind, world, mode):
+    res = run_distributed(_matches_worker, world, kind, backend=_backend(kind),
+                          env={**_env(kind), **MODES[mode]}, timeout_s=TIMEOUT_S, deadline_s=240)
+    push = mode != "get"
     for rank, (errors, stats, (allocations, calls, gathers)) in res.items():
         assert not errors, f"rank {rank}: " + "\n".join(errors)
         assert stats.get("registered_ops") == calls, (rank, stats)  # every call went zero-copy
         assert stats.get("all_gather_push_ops", 0) == (gathers if push else 0), (rank, stats)
         assert stats.get("registered_allocations") == allocations, (rank, stats)
         assert "registered_fallbacks" not in stats, (rank, stats)
+        if mode == "push-copy-engines":  # the graph made once per buffer set, then launched again
+            assert stats.get("copy_engine_ops", 0) > 0 and "fused_ops" not in stats, (rank, stats)
 
 
 def _disagree_worker(rank, world, kind):
@@ -179,13 +188,20 @@ def test_disagreeing_ranks_fail_at_once(kind):
 
 
 def _push_places_worker(rank, world, kind):
-    """Every rank pushes (ODC_AG_PUSH=1), but rank 1's output lies elsewhere in its pool: where
-    the others believe it lies, rank 1 keeps another buffer (a canary) that no push may touch."""
+    """Every rank pushes (ODC_AG_PUSH=1). A first all-gather succeeds; then rank 1 keeps that
+    buffer (a canary) and gathers into another one, elsewhere in its pool, while the others
+    gather into the same buffers again: their pushes, through the same graph as the first call,
+    would land in the canary. No push may touch it."""
     dev = _device(kind)
     n = 1_500_000  # 6 MB per rank: the copy engines unless the fused kernel is asked for
-    canary = _alloc(dev, world * n, F32).fill_(7.0) if rank == 1 else None
     buf = _alloc(dev, world * n, F32)
     _fill(buf[rank * n:(rank + 1) * n], rank)
+    dist.all_gather_into_tensor(buf, buf[rank * n:(rank + 1) * n])
+    first_ok = torch.equal(buf.cpu(), torch.cat([_fill(torch.empty(n), r) for r in range(world)]))
+    canary = None
+    if rank == 1:
+        canary, buf = buf.fill_(7.0), _alloc(dev, world * n, F32)
+    _fill(buf[rank * n:(rank + 1) * n], 10 + rank)
     t0 = time.monotonic()
     try:
         dist.all_gather_into_tensor(buf, buf[rank * n:(rank + 1) * n])
@@ -198,28 +214,31 @@ def _push_places_worker(rank, world, kind):
     if kind == "cuda":
         torch.cuda.synchronize()
     intact = None if canary is None else bool((canary == 7.0).all())
-    return got, intact, _stats(dev)
+    return first_ok, got, intact, _stats(dev)
 
 
-@pytest.mark.parametrize("kind,env", [
-    ("cpu", {}),
-    cuda_case("cuda", {"ODC_SMALL_OP_BYTES": "0"}, id="cuda-copy-engines"),
-    cuda_case("cuda", {"ODC_SMALL_OP_BYTES": "0", "ODC_MATCH_CHECK": "0"}, id="cuda-copy-engines-no-match-check"),
-    cuda_case("cuda", {"ODC_SMALL_OP_BYTES": "64M", "ODC_FUSED_BLOCKS": "64"}, id="cuda-fused"),
+@pytest.mark.parametrize("kind,env,engine", [
+    ("cpu", {}, None),
+    cuda_case("cuda", {"ODC_SMALL_OP_BYTES": "0"}, "copy_engine_ops", id="cuda-copy-engines"),
+    cuda_case("cuda", {"ODC_SMALL_OP_BYTES": "0", "ODC_MATCH_CHECK": "0"}, "copy_engine_ops",
+              id="cuda-copy-engines-no-match-check"),
+    cuda_case("cuda", {"ODC_SMALL_OP_BYTES": "64M", "ODC_FUSED_BLOCKS": "64"}, "fused_ops", id="cuda-fused"),
 ])
-def test_push_never_writes_where_the_peer_has_no_output(kind, env):
+def test_push_never_writes_where_the_peer_has_no_output(kind, env, engine):
     world = 3
     res = run_distributed(_push_places_worker, world, kind, backend=_backend(kind),
                           env={**_env(kind), **env, "ODC_AG_PUSH": "1"}, timeout_s=TIMEOUT_S,
                           deadline_s=240)
-    for rank, (got, intact, stats) in res.items():
+    for rank, (first_ok, got, intact, stats) in res.items():
+        assert first_ok, f"rank {rank}: the first pushed all-gather's result is wrong"
         assert got is not None, f"rank {rank}: outputs at different places went unnoticed"
         kind_, msg, took = got
         assert kind_ == "DistBackendError" and "not at the same place" in msg, (rank, msg)
         assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
-        if kind == "cuda":  # counted once issued (a host transport's wait throws before)
-            assert stats.get("all_gather_push_ops") == 1, (rank, stats)
-    assert res[1][1] is True, "a push wrote into rank 1's other buffer"
+        if engine:  # counted once issued (a host transport's wait throws before)
+            assert stats.get("all_gather_push_ops") == 2, (rank, stats)
+            assert stats.get(engine, 0) >= 2, (rank, stats)
+    assert res[1][2] is True, "a push wrote into rank 1's other buffer"
 
 
 def _full_pool_worker(rank, world):

@@ -288,11 +288,8 @@ CudaIpcTransport::~CudaIpcTransport() {
   }
   for (auto& ev : ring_done_) ev.reset();
   last_done_.reset();
-  for (auto& [key, g] : put_graphs_) {
-    (void)cudaGraphExecDestroy(g.exec);
-    (void)cudaGraphDestroy(g.graph);
-    (void)cudaFree(g.go);
-  }
+  for (auto& [key, g] : put_graphs_) destroy(g);
+  for (auto& g : retired_puts_) destroy(g);
   if (wd_stream_) (void)cudaStreamDestroy(wd_stream_);
   for (auto& [stream, l] : lanes_) {
     for (auto s : l.side) (void)cudaStreamDestroy(s);
@@ -531,6 +528,7 @@ void CudaIpcTransport::run_fused() {
     f.dtype = static_cast<uint8_t>(s.spec.dtype);
     f.n = static_cast<uint16_t>(s.n);
     f.first = static_cast<uint16_t>(s.first);
+    f.guarded = s.guarded;
     f.scale = static_cast<float>(s.spec.scale);
     f.scale_ptr = s.spec.scale_ptr;
     f.value = s.value;
@@ -555,6 +553,16 @@ void CudaIpcTransport::run_fused() {
 // back to the operation's stream.
 
 void CudaIpcTransport::run_on_copy_engines() {
+  std::vector<PutGraph*> puts;  // each run of puts' graph, made before anything is enqueued
+  for (size_t i = 0; i < steps_.size(); ++i) {
+    if (!steps_[i].guarded) continue;
+    if (puts.empty()) retire_puts();
+    size_t end = i;
+    while (end < steps_.size() && steps_[end].guarded) ++end;
+    puts.push_back(&prepare_puts(i, end));
+    i = end - 1;
+  }
+  size_t next_puts = 0;
   // Data on one lane only (a zero-copy all-gather of 2 ranks, any zero-copy reduce-scatter):
   // nothing to overlap, so every lane runs on the operation's stream in issue order (which
   // is deadlock-free, see below). Fewer launches and no fork or join; waits and signals of
@@ -587,7 +595,7 @@ void CudaIpcTransport::run_on_copy_engines() {
     if (s.guarded) {  // a run of puts: one graph on the op stream
       size_t end = i;
       while (end < steps_.size() && steps_[end].guarded) ++end;
-      issue_puts(i, end);
+      issue_puts(i, end, *puts[next_puts++]);
       i = end - 1;
       continue;
     }
@@ -708,21 +716,39 @@ CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(size_t first, size_t end
                                                         const std::vector<uintptr_t>& key) {
   auto it = put_graphs_.find(key);
   if (it != put_graphs_.end()) return it->second;
+  PutGraph g;
+  try {
+    build_puts(first, end, g);
+  } catch (...) {
+    destroy(g);
+    throw;
+  }
+  return put_graphs_.emplace(key, std::move(g)).first->second;
+}
+
+// Once per operation with puts, before any is prepared (so that the graphs it prepares stay).
+void CudaIpcTransport::retire_puts() {
   constexpr size_t kMaxPutGraphs = 1024;
-  if (put_graphs_.size() >= kMaxPutGraphs) {  // rare: start over once the graphs are idle
-    check(cudaDeviceSynchronize(), "waiting for the puts' graphs");
-    for (auto& [k, g] : put_graphs_) {
-      (void)cudaGraphExecDestroy(g.exec);
-      (void)cudaGraphDestroy(g.graph);
-      (void)cudaFree(g.go);
-    }
+  if (put_graphs_.size() >= kMaxPutGraphs) {  // rare: drop them all, each once its last launch is done
+    for (auto& [k, g] : put_graphs_) retired_puts_.push_back(g);
     put_graphs_.clear();
   }
-  PutGraph g;
+  for (auto it = retired_puts_.begin(); it != retired_puts_.end();) {
+    if (cudaEventQuery(it->last) != cudaSuccess) {
+      ++it;
+      continue;
+    }
+    destroy(*it);
+    it = retired_puts_.erase(it);
+  }
+}
+
+void CudaIpcTransport::build_puts(size_t first, size_t end, PutGraph& g) {
   const std::vector<PutSet> sets = put_sets(first, end);
   size_t puts = 0;
   for (const PutSet& set : sets) puts += set.waits.size();
   check(cudaMalloc(&g.go, puts * sizeof(uint64_t)), "allocating the puts' words");
+  check(cudaEventCreateWithFlags(&g.last, cudaEventDisableTiming), "creating an event");
   check(cudaGraphCreate(&g.graph, 0), "creating the puts' graph");
   cudaGraphNode_t prev = nullptr;
   uint64_t* go = g.go;
@@ -741,34 +767,42 @@ CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(size_t first, size_t end
     cp.conditional.handle = cond;
     cp.conditional.type = cudaGraphCondTypeIf;
     cp.conditional.size = 1;
+#if CUDART_VERSION >= 13000
     check(cudaGraphAddNode(&node, g.graph, &gate, nullptr, 1, &cp), "adding a put's condition");
+#else  // CUDA 12.x: no edge data (conditional nodes with copies in their body need 12.4+)
+    check(cudaGraphAddNode(&node, g.graph, &gate, 1, &cp), "adding a put's condition");
+#endif
     cudaGraph_t body = cp.conditional.phGraph_out[0];
-    cudaGraphNode_t last = nullptr;  // the body runs its puts one after another
-    for (size_t k = 0; k < set.waits.size(); ++k, ++go) {
-      cudaGraphNode_t n;
+    cudaGraphNode_t last = nullptr;  // the body runs its copies one after another, then signals
+    PutSignalOp sig{};
+    sig.go = go;
+    sig.n = static_cast<int>(set.waits.size());
+    for (size_t k = 0; k < set.waits.size(); ++k) {
       if (const Step* data = set.copies[k]) {
+        cudaGraphNode_t n;
         check(cudaGraphAddMemcpyNode1D(&n, body, last ? &last : nullptr, last ? 1 : 0, data->dst,
                                        data->src, data->value, cudaMemcpyDeviceToDevice),
               "adding a put's copy");
         last = n;
       }
-      void* done = const_cast<void*>(ptrs_[set.signals[k]->first]);
-      check(cudaGraphAddMemcpyNode1D(&n, body, last ? &last : nullptr, last ? 1 : 0, done, go,
-                                     sizeof(uint64_t), cudaMemcpyDeviceToDevice),
-            "adding a put's signal");
-      last = n;
+      sig.done[k] = static_cast<uint64_t*>(const_cast<void*>(ptrs_[set.signals[k]->first]));
     }
+    void* sig_args[1] = {&sig};
+    const cudaKernelNodeParams sp = put_signal_node_params(sig_args);
+    cudaGraphNode_t signalled;
+    check(cudaGraphAddKernelNode(&signalled, body, last ? &last : nullptr, last ? 1 : 0, &sp),
+          "adding the puts' signals");
+    go += set.waits.size();
     g.gates.push_back(gate);
     g.conds.push_back(cond);
     prev = node;
   }
   check(cudaGraphInstantiate(&g.exec, g.graph, 0), "instantiating the puts' graph");
-  return put_graphs_.emplace(key, std::move(g)).first->second;
 }
 
-void CudaIpcTransport::issue_puts(size_t first, size_t end) {
-  // After every signal issued before them (this rank's "ready" among them), as a wait.
-  for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
+// Before anything of the operation is enqueued (its "ready" among it): a graph that cannot
+// be made (or a stream being captured) fails the call before any peer may write here.
+CudaIpcTransport::PutGraph& CudaIpcTransport::prepare_puts(size_t first, size_t end) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(op_stream_, &capturing), "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone) {
@@ -779,6 +813,9 @@ void CudaIpcTransport::issue_puts(size_t first, size_t end) {
   std::vector<uintptr_t> key;  // where each put reads, writes and signals
   for (size_t i = first; i < end; ++i) {
     const Step& s = steps_[i];
+    if (memory_->routed(s.dst) || (s.kind != kStepCopy && memory_->routed(ptrs_[s.first]))) {
+      throw std::logic_error("odc: a put to a peer reached through NVSHMEM");  // no pool there
+    }
     key.push_back(s.kind);
     if (s.kind == kStepCopy) {
       key.insert(key.end(), {reinterpret_cast<uintptr_t>(s.dst), reinterpret_cast<uintptr_t>(s.src), s.value});
@@ -786,7 +823,12 @@ void CudaIpcTransport::issue_puts(size_t first, size_t end) {
       for (int j = 0; j < (s.desc ? 2 : 1) * s.n; ++j) key.push_back(reinterpret_cast<uintptr_t>(ptrs_[s.first + j]));
     }
   }
-  PutGraph& g = put_graph(first, end, key);
+  return put_graph(first, end, key);
+}
+
+void CudaIpcTransport::issue_puts(size_t first, size_t end, PutGraph& g) {
+  // After every signal issued before them (this rank's "ready" among them), as a wait.
+  for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
   uint64_t* go = g.go;
   size_t k = 0;
   for (const PutSet& set : put_sets(first, end)) {  // this operation's numbers and checks
@@ -798,7 +840,15 @@ void CudaIpcTransport::issue_puts(size_t first, size_t end) {
     ++k;
   }
   check(cudaGraphLaunch(g.exec, op_stream_), "launching the puts");
+  check(cudaEventRecord(g.last, op_stream_), "recording an event");
   flagged_[0] = true;  // the gates: one block at a time
+}
+
+void CudaIpcTransport::destroy(PutGraph& g) {  // parts not made yet are null
+  if (g.exec) (void)cudaGraphExecDestroy(g.exec);
+  if (g.graph) (void)cudaGraphDestroy(g.graph);
+  if (g.last) (void)cudaEventDestroy(g.last);
+  if (g.go) (void)cudaFree(g.go);
 }
 
 cudaStream_t CudaIpcTransport::lane_stream(int lane) const {

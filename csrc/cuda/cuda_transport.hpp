@@ -142,16 +142,23 @@ class CudaIpcTransport final : public Transport {
     std::vector<cudaGraphNode_t> gates;
     std::vector<cudaGraphConditionalHandle> conds;
     uint64_t* go = nullptr;  // one word per put
+    cudaEvent_t last = nullptr;  // recorded after its last launch
   };
   struct PutSet {  // the puts behind one gate (all of an operation's, up to kMaxGatePeers)
     std::vector<const Step*> waits, copies, signals;  // copies[k] null: nothing to copy
   };
-  void issue_puts(size_t first, size_t end);  // steps_[first, end): guarded steps
+  // steps_[first, end): a run of guarded steps
+  PutGraph& prepare_puts(size_t first, size_t end);
+  void issue_puts(size_t first, size_t end, PutGraph& g);
   std::vector<PutSet> put_sets(size_t first, size_t end) const;
   PutGraph& put_graph(size_t first, size_t end, const std::vector<uintptr_t>& key);
+  void build_puts(size_t first, size_t end, PutGraph& g);
+  void retire_puts();
+  static void destroy(PutGraph& g);
   GateOp gate_of(const std::vector<const Step*>& waits, uint64_t* go,
                  cudaGraphConditionalHandle cond) const;
   std::map<std::vector<uintptr_t>, PutGraph> put_graphs_;
+  std::vector<PutGraph> retired_puts_;  // dropped from the map, destroyed once idle
 
   bool fusable();            // and plans the blocks (fused_plan_)
   bool plan_fused_blocks();

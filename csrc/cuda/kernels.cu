@@ -147,9 +147,15 @@ __global__ void gate_kernel(const __grid_constant__ GateOp g) {
     }
   }
   __syncthreads();
-  if (failed || threadIdx.x != 0) return;
+  if (failed || threadIdx.x != 0 || err->code != 0) return;
   for (int i = 0; i < g.n; ++i) g.go[i] = g.target;  // ordered before the graph's next nodes
   cudaGraphSetConditional(g.cond, 1);
+}
+
+__global__ void put_signal_kernel(const __grid_constant__ PutSignalOp p) {
+  if (threadIdx.x != 0) return;
+  fence_release();  // the copies (complete: graph order) before the counters, as a flag kernel
+  for (int i = 0; i < p.n; ++i) store_relaxed(p.done[i], p.go[i]);
 }
 
 template <typename T> __device__ __forceinline__ float to_f(T v);
@@ -520,6 +526,12 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
           }
         }
         __syncthreads();
+        // A put writes into the peer's memory: never once the group failed (a counter
+        // already met would not notice)
+        if (s.guarded) {  // the same for every thread of the block
+          if (threadIdx.x == 0 && static_cast<volatile DeviceError*>(op.err)->code != 0) failed = 1;
+          __syncthreads();
+        }
         if (failed) return;  // the error is recorded; later steps would read garbage
         break;
       case kStepStore:
@@ -702,6 +714,17 @@ cudaKernelNodeParams gate_node_params(void** args) {
   p.blockDim = dim3(32);
   p.sharedMemBytes = 0;
   p.kernelParams = args;  // {GateOp*}
+  p.extra = nullptr;
+  return p;
+}
+
+cudaKernelNodeParams put_signal_node_params(void** args) {
+  cudaKernelNodeParams p{};
+  p.func = reinterpret_cast<void*>(&put_signal_kernel);
+  p.gridDim = dim3(1);
+  p.blockDim = dim3(32);
+  p.sharedMemBytes = 0;
+  p.kernelParams = args;  // {PutSignalOp*}
   p.extra = nullptr;
   return p;
 }

@@ -81,6 +81,14 @@ struct GateOp {
   cudaGraphConditionalHandle cond;
 };
 
+// The signals of the puts behind one gate, in its conditional node after their copies: one
+// fence (the copies completed before this kernel started), then done[i] = go[i].
+struct PutSignalOp {
+  uint64_t* done[kMaxGatePeers];
+  const uint64_t* go;
+  int n;
+};
+
 struct ReduceOpArgs {
   const void* src[kMaxPeers];
   int n_src;
@@ -106,7 +114,7 @@ struct FusedStep {
   uint8_t dtype;             // reduce: DType
   uint16_t n;                // wait/signal/store: counters (words); reduce: sources
   uint16_t first;            // first entry of this step in FusedOp::ptrs / peers
-  uint16_t pad;
+  uint16_t guarded;          // wait: a put's (Transport::put_after): fails once the group failed
   float scale;               // reduce
   unsigned long long value;  // wait target, signal value, copy bytes or reduce numel
   unsigned long long desc;   // wait: the descriptor each awaited peer stored (0: unchecked),
@@ -156,6 +164,8 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
 // A graph kernel node's parameters that run the gate kernel with args = {GateOp*} (both must
 // live until the node is added or its parameters set: the argument is copied then).
 cudaKernelNodeParams gate_node_params(void** args);
+// The same for the signal kernel, args = {PutSignalOp*}.
+cudaKernelNodeParams put_signal_node_params(void** args);
 // Load every kernel's module now. Under lazy loading (PyTorch's default) the
 // first launch of a kernel may wait for the kernels already running, and a
 // running flag kernel may be waiting for a peer that is itself stuck loading:

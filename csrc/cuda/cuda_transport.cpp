@@ -528,7 +528,6 @@ void CudaIpcTransport::run_fused() {
     f.dtype = static_cast<uint8_t>(s.spec.dtype);
     f.n = static_cast<uint16_t>(s.n);
     f.first = static_cast<uint16_t>(s.first);
-    f.guarded = s.guarded;
     f.scale = static_cast<float>(s.spec.scale);
     f.scale_ptr = s.spec.scale_ptr;
     f.value = s.value;

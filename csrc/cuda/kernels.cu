@@ -526,12 +526,6 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
           }
         }
         __syncthreads();
-        // A put writes into the peer's memory: never once the group failed (a counter
-        // already met would not notice)
-        if (s.guarded) {  // the same for every thread of the block
-          if (threadIdx.x == 0 && static_cast<volatile DeviceError*>(op.err)->code != 0) failed = 1;
-          __syncthreads();
-        }
         if (failed) return;  // the error is recorded; later steps would read garbage
         break;
       case kStepStore:

@@ -114,7 +114,7 @@ struct FusedStep {
   uint8_t dtype;             // reduce: DType
   uint16_t n;                // wait/signal/store: counters (words); reduce: sources
   uint16_t first;            // first entry of this step in FusedOp::ptrs / peers
-  uint16_t guarded;          // wait: a put's (Transport::put_after): fails once the group failed
+  uint16_t pad;
   float scale;               // reduce
   unsigned long long value;  // wait target, signal value, copy bytes or reduce numel
   unsigned long long desc;   // wait: the descriptor each awaited peer stored (0: unchecked),

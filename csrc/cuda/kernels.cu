@@ -701,26 +701,26 @@ cudaError_t launch_fused(const FusedOp& op, int device, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaKernelNodeParams gate_node_params(void** args) {
+namespace {
+// One block of 32 threads running `fn` with args = {&its one parameter}.
+cudaKernelNodeParams one_warp_node(void* fn, void** args) {
   cudaKernelNodeParams p{};
-  p.func = reinterpret_cast<void*>(&gate_kernel);
+  p.func = fn;
   p.gridDim = dim3(1);
   p.blockDim = dim3(32);
   p.sharedMemBytes = 0;
-  p.kernelParams = args;  // {GateOp*}
+  p.kernelParams = args;
   p.extra = nullptr;
   return p;
 }
+}  // namespace
+
+cudaKernelNodeParams gate_node_params(void** args) {
+  return one_warp_node(reinterpret_cast<void*>(&gate_kernel), args);
+}
 
 cudaKernelNodeParams put_signal_node_params(void** args) {
-  cudaKernelNodeParams p{};
-  p.func = reinterpret_cast<void*>(&put_signal_kernel);
-  p.gridDim = dim3(1);
-  p.blockDim = dim3(32);
-  p.sharedMemBytes = 0;
-  p.kernelParams = args;  // {PutSignalOp*}
-  p.extra = nullptr;
-  return p;
+  return one_warp_node(reinterpret_cast<void*>(&put_signal_kernel), args);
 }
 
 cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream) {

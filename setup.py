@@ -28,7 +28,8 @@ HOST_SOURCES = [
     "csrc/decoupled.cpp",
     "csrc/bindings.cpp",
 ]
-CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csrc/cuda/kernels.cu"]
+CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csrc/cuda/puts.cpp",
+                "csrc/cuda/kernels.cu"]
 
 def nvshmem_dirs():
     """(include, lib) of NVSHMEM: $NVSHMEM_HOME, else the nvidia-nvshmem-cu13 wheel."""

@@ -129,7 +129,7 @@ class CudaIpcTransport final : public Transport {
   bool diagnose_and_release(const Tracked& op);  // caller holds wd_mu_
 
 
-  // ---- Puts on the copy engines (put_after): a CUDA graph per set of puts, made at its
+  // ---- Puts on the copy engines (put_after; puts.cpp): a CUDA graph per set of puts, made at its
   // first use and kept (FSDP's buffers recur every step): a gate kernel waits for every
   // peer's counter and checks its descriptor, then a conditional node, which runs only when
   // the gate set its condition, holds the copies and the signals (each a copy of the gate's

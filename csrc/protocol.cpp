@@ -313,14 +313,18 @@ void Protocol::registered_ready(int ring, RegisteredId id, uint64_t desc) {
   t_->signal(0, ready, id.number);
 }
 
+DescCheck Protocol::registered_check(int ring, const std::vector<int>& peers, RegisteredId id,
+                                    uint64_t desc) {
+  DescCheck check{{}, desc, id.encode()};  // every peer's buffer lies where this rank's does
+  for (int p : peers) check.descs.push_back(desc_in(rank_, kRegDesc[ring], p, id.number - 1));
+  return check;
+}
+
 void Protocol::registered_wait_ready(int ring, int lane, const std::vector<int>& peers,
                                      RegisteredId id, uint64_t desc, const WaitSite& site) {
-  DescCheck check{{}, desc, id.encode()};  // every peer's input lies where this rank's does
   std::vector<const uint64_t*> ready;
-  for (int p : peers) {
-    ready.push_back(flag_in(rank_, kRegReady[ring], p));
-    check.descs.push_back(desc_in(rank_, kRegDesc[ring], p, id.number - 1));
-  }
+  for (int p : peers) ready.push_back(flag_in(rank_, kRegReady[ring], p));
+  const DescCheck check = registered_check(ring, peers, id, desc);
   t_->wait(lane, ready, peers, id.number, site, desc ? &check : nullptr);
 }
 
@@ -352,7 +356,7 @@ void Protocol::all_gather_registered(void* out, const std::vector<const char*>& 
       const int p = (rank_ + i) % world_;
       if (push) {  // p's output holds p's input at p's place; this rank's shard goes to its own
         char* p_out = const_cast<char*>(in_at[p]) - static_cast<size_t>(p) * shard_bytes;
-        DescCheck check{{desc_in(rank_, kRegDesc[0], p, id.number - 1)}, desc, id.encode()};
+        const DescCheck check = registered_check(0, only_[p], id, desc);
         t_->put_after(i, flag_in(rank_, kRegReady[0], p), p, id.number,
                       {"all_gather", "the output of", op_seq}, desc ? &check : nullptr,
                       p_out + static_cast<size_t>(rank_) * shard_bytes, in_at[rank_], shard_bytes,

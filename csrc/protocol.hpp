@@ -109,6 +109,9 @@ class Protocol {
   void registered_ready(int ring, RegisteredId id, uint64_t desc);
   void registered_wait_ready(int ring, int lane, const std::vector<int>& peers, RegisteredId id,
                              uint64_t desc, const WaitSite& site);
+  // The check of `peers`' "input ready": their descriptors against `desc`, with `id`.
+  DescCheck registered_check(int ring, const std::vector<int>& peers, RegisteredId id,
+                             uint64_t desc);
   void registered_done(int ring, int lane, const std::vector<int>& peers, uint64_t number);
   void registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
                          const WaitSite& site);

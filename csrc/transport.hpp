@@ -64,10 +64,10 @@ class Transport {
   // A write into a peer's memory that only a successful wait may let through: wait for
   // `flag` >= target (checked as `wait` does), then copy `bytes` from src to dst and signal
   // `done` with `target`. Where the wait fails (a descriptor mismatch, a peer announcing
-  // another collective, the timeout, or the group failed before), neither the copy nor the
-  // signal happens: a peer's memory is never written on a failed handshake, and a peer
-  // that waits for `done` gets an error of its own instead of an output with a hole. The
-  // host transports' waits throw on failure, so this default is all they need.
+  // another collective, the timeout), neither the copy nor the signal happens: a peer's
+  // memory is never written on a failed handshake, and a peer that waits for `done` gets an
+  // error of its own instead of an output with a hole. The host transports' waits throw on
+  // failure, so this default is all they need.
   virtual void put_after(int lane, const uint64_t* flag, int peer, uint64_t target,
                          const WaitSite& site, const DescCheck* check, void* dst,
                          const void* src, size_t bytes, uint64_t* done) {

@@ -540,13 +540,13 @@ void CudaIpcTransport::run_fused() {
 // back to the operation's stream.
 
 void CudaIpcTransport::run_on_copy_engines() {
-  std::vector<PutGraph*> puts;  // each run of puts' graph, made before anything is enqueued
+  std::vector<PutRun> puts;  // each run of puts with its graph, made before anything is enqueued
   for (size_t i = 0; i < steps_.size(); ++i) {
     if (!steps_[i].guarded) continue;
     if (puts.empty()) retire_puts();
     size_t end = i;
     while (end < steps_.size() && steps_[end].guarded) ++end;
-    puts.push_back(&prepare_puts(i, end));
+    puts.push_back(prepare_puts(i, end));
     i = end - 1;
   }
   size_t next_puts = 0;
@@ -582,7 +582,7 @@ void CudaIpcTransport::run_on_copy_engines() {
     if (s.guarded) {  // a run of puts: one graph on the op stream
       size_t end = i;
       while (end < steps_.size() && steps_[end].guarded) ++end;
-      issue_puts(i, end, *puts[next_puts++]);
+      issue_puts(puts[next_puts++]);
       i = end - 1;
       continue;
     }
@@ -645,6 +645,10 @@ void CudaIpcTransport::run_on_copy_engines() {
     std::lock_guard<std::mutex> lk(wd_mu_);
     tracked_.push_back(std::move(t));
   }
+}
+
+cudaStream_t CudaIpcTransport::lane_stream(int lane) const {
+  return lane == 0 ? op_stream_ : cur_->side[lane - 1];
 }
 
 void CudaIpcTransport::launch_flags(int lane, const Step* wait) {

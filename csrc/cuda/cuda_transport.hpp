@@ -147,12 +147,15 @@ class CudaIpcTransport final : public Transport {
   struct PutSet {  // the puts behind one gate (all of an operation's, up to kMaxGatePeers)
     std::vector<const Step*> waits, copies, signals;  // copies[k] null: nothing to copy
   };
-  // steps_[first, end): a run of guarded steps
-  PutGraph& prepare_puts(size_t first, size_t end);
-  void issue_puts(size_t first, size_t end, PutGraph& g);
+  struct PutRun {  // a run of guarded steps of the operation being issued
+    std::vector<PutSet> sets;
+    PutGraph* graph;  // stays in put_graphs_ until the next operation's retire_puts
+  };
+  PutRun prepare_puts(size_t first, size_t end);  // steps_[first, end)
+  void issue_puts(const PutRun& run);
   std::vector<PutSet> put_sets(size_t first, size_t end) const;
-  PutGraph& put_graph(size_t first, size_t end, const std::vector<uintptr_t>& key);
-  void build_puts(size_t first, size_t end, PutGraph& g);
+  PutGraph& put_graph(const std::vector<PutSet>& sets, const std::vector<uintptr_t>& key);
+  void build_puts(const std::vector<PutSet>& sets, PutGraph& g);
   void retire_puts();
   static void destroy(PutGraph& g);
   GateOp gate_of(const std::vector<const Step*>& waits, uint64_t* go,

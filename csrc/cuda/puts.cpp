@@ -80,14 +80,14 @@ std::vector<CudaIpcTransport::PutSet> CudaIpcTransport::put_sets(size_t first, s
   return sets;
 }
 
-// The graph of the puts in steps_[first, end), made once per set of places and sizes.
-CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(size_t first, size_t end,
+// The graph of the puts of `sets`, made once per set of places and sizes (`key`).
+CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(const std::vector<PutSet>& sets,
                                                         const std::vector<uintptr_t>& key) {
   auto it = put_graphs_.find(key);
   if (it != put_graphs_.end()) return it->second;
   PutGraph g;
   try {
-    build_puts(first, end, g);
+    build_puts(sets, g);
   } catch (...) {
     destroy(g);
     throw;
@@ -112,8 +112,7 @@ void CudaIpcTransport::retire_puts() {
   }
 }
 
-void CudaIpcTransport::build_puts(size_t first, size_t end, PutGraph& g) {
-  const std::vector<PutSet> sets = put_sets(first, end);
+void CudaIpcTransport::build_puts(const std::vector<PutSet>& sets, PutGraph& g) {
   size_t puts = 0;
   for (const PutSet& set : sets) puts += set.waits.size();
   check(cudaMalloc(&g.go, puts * sizeof(uint64_t)), "allocating the puts' words");
@@ -171,7 +170,7 @@ void CudaIpcTransport::build_puts(size_t first, size_t end, PutGraph& g) {
 
 // Before anything of the operation is enqueued (its "ready" among it): a graph that cannot
 // be made (or a stream being captured) fails the call before any peer may write here.
-CudaIpcTransport::PutGraph& CudaIpcTransport::prepare_puts(size_t first, size_t end) {
+CudaIpcTransport::PutRun CudaIpcTransport::prepare_puts(size_t first, size_t end) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(op_stream_, &capturing), "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone) {
@@ -192,15 +191,18 @@ CudaIpcTransport::PutGraph& CudaIpcTransport::prepare_puts(size_t first, size_t 
       for (int j = 0; j < (s.desc ? 2 : 1) * s.n; ++j) key.push_back(reinterpret_cast<uintptr_t>(ptrs_[s.first + j]));
     }
   }
-  return put_graph(first, end, key);
+  PutRun run{put_sets(first, end), nullptr};
+  run.graph = &put_graph(run.sets, key);
+  return run;
 }
 
-void CudaIpcTransport::issue_puts(size_t first, size_t end, PutGraph& g) {
+void CudaIpcTransport::issue_puts(const PutRun& run) {
   // After every signal issued before them (this rank's "ready" among them), as a wait.
   for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
+  PutGraph& g = *run.graph;
   uint64_t* go = g.go;
   size_t k = 0;
-  for (const PutSet& set : put_sets(first, end)) {  // this operation's numbers and checks
+  for (const PutSet& set : run.sets) {  // this operation's numbers and checks
     GateOp op = gate_of(set.waits, go, g.conds[k]);
     void* args[1] = {&op};
     const cudaKernelNodeParams kp = gate_node_params(args);
@@ -218,10 +220,6 @@ void CudaIpcTransport::destroy(PutGraph& g) {  // parts not made yet are null
   if (g.graph) (void)cudaGraphDestroy(g.graph);
   if (g.last) (void)cudaEventDestroy(g.last);
   if (g.go) (void)cudaFree(g.go);
-}
-
-cudaStream_t CudaIpcTransport::lane_stream(int lane) const {
-  return lane == 0 ? op_stream_ : cur_->side[lane - 1];
 }
 
 }  // namespace odc

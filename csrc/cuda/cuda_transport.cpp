@@ -9,12 +9,6 @@
 namespace odc {
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    throw std::runtime_error(std::string("odc: ") + what + ": " + cudaGetErrorString(e));
-  }
-}
-
 // Makes `dev` current for the scope; no driver call where it already is (the usual case).
 struct DeviceGuard {
   int prev = 0;

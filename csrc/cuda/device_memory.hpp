@@ -9,12 +9,20 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "../rendezvous.hpp"
 
 namespace odc {
+
+// A failed CUDA call of the CUDA transport's files, as an exception naming what it did.
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string("odc: ") + what + ": " + cudaGetErrorString(e));
+  }
+}
 
 // Where a CUDA transport's windows and arenas live and how peers reach them: a cudaMalloc'd
 // buffer opened by the peers through CUDA IPC (the default), or NVSHMEM's symmetric heap

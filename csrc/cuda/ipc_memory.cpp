@@ -10,12 +10,6 @@
 namespace odc {
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    throw std::runtime_error(std::string("odc: ") + what + ": " + cudaGetErrorString(e));
-  }
-}
-
 std::string host_name() {
   char buf[256] = {0};
   gethostname(buf, sizeof(buf) - 1);

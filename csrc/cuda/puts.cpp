@@ -6,16 +6,8 @@
 #include "cuda_transport.hpp"
 
 #include <stdexcept>
-#include <string>
 
 namespace odc {
-namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("odc: ") + what + ": " + cudaGetErrorString(e));
-}
-
-}  // namespace
 
 void CudaIpcTransport::put_after(int lane, const uint64_t* flag, int peer, uint64_t target,
                                  const WaitSite& site, const DescCheck* check, void* dst,

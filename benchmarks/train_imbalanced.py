@@ -23,6 +23,17 @@ documents, from the same initial weights:
   (nearly) free takes its next microbatch, or, its own queue empty, an item from the back of
   another rank's (fetch-adds on the group's store); one ``odc.sync`` per minibatch.
 
+``--hsdp R`` shards inside groups of world / R consecutive ranks and replicates across R of
+them (FSDP2 HSDP; on several hosts, R = the hosts: ``torchrun ... -m
+torch_odc_backend.emulate_hosts G benchmarks/train_imbalanced.py --hsdp R`` emulates them on one
+machine). odc then runs one-sided inside a shard group and the replicate all-reduce on its
+inner NCCL group, once per minibatch at ``odc.sync``. ``reference_lbmicro`` does what a careful
+HSDP user does: ``set_requires_all_reduce`` only for a rank's last microbatch of the minibatch,
+so the replicate all-reduce runs once per minibatch too; ``reference_arpermicro_lbmicro`` is
+FSDP2's default, an all-reduce after every microbatch. The result's ``cross_host`` gives the
+bytes each rank all-reduces across replicas per minibatch and the time of one such all-reduce
+on the reference's replicate group, timed alone after the runs.
+
 Workloads: long-tailed (default), ``--balanced`` (constant lengths, the control) and, with
 either, ``--straggler RANK:FACTOR``: rank RANK runs every microbatch FACTOR times as long.
 After each of its microbatches it waits (FACTOR - 1) times that microbatch's time: on a GPU a
@@ -267,7 +278,7 @@ class Clock:
 
 
 def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, first_step=0,
-                balancer=None, straggler=None, cost=None):
+                balancer=None, straggler=None, cost=None, hsdp_once=False):
     """One optimizer step per minibatch. Returns this rank's step times, timelines (per
     step, a list of (what, start_s, end_s, tokens, doc lengths, doc indices) from the step's
     start) and its share of each minibatch's loss. With a ``balancer`` (dynamic balancing)
@@ -286,7 +297,9 @@ def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, fir
         loss_sum = torch.zeros((), device=device)
         tokens = sum(lengths)  # the minibatch's global token count normalises the loss
         mine = balancer.minibatch(lengths, args.max_tokens, cost) if balancer is not None else plan[rank]
-        for mb in mine:
+        for i, mb in enumerate(mine):
+            if hsdp_once:  # HSDP: the replicate all-reduce after the minibatch's last microbatch only
+                model.set_requires_all_reduce(i == len(mine) - 1)
             h0 = time.perf_counter()
             docs_mb = [lengths[i] for i in mb] if mb else [8]
             weight = 1.0 if mb else 0.0  # LB-Micro padding: a zero-weight dummy joins the collectives
@@ -492,6 +505,55 @@ def analyse(results, plans_by, docs, cost, world, slowdowns):
 
 # --------------------------------------------------------------------------- main
 
+def sharding_meshes(device, world: int, replicas: int, ref_backend: str | None):
+    """odc's mesh (the default group's backend) and the reference's (groups of
+    ``ref_backend``): 1-D, or with ``replicas`` > 1 HSDP (replicas, world / replicas)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if world % replicas:
+        raise SystemExit(f"--hsdp {replicas}: the world size {world} is not a multiple of it")
+    shape = (world,) if replicas == 1 else (replicas, world // replicas)
+    dims = ("shard",) if replicas == 1 else ("replicate", "shard")
+    # Distinct dim names: meshes of one shape compare equal otherwise, and FSDP2 then gave the
+    # second model's parameters the first mesh (seen on torch 2.13: odc runs moved by gloo).
+    meshes = {"odc": init_device_mesh(device.type, shape, mesh_dim_names=tuple(f"odc_{d}" for d in dims))}
+    if ref_backend is None:
+        return meshes
+    ranks = torch.arange(world).view(shape)
+    mine = []
+    for dim in range(len(shape)):
+        for row in ranks.movedim(dim, -1).reshape(-1, shape[dim]).tolist():
+            group = dist.new_group(row, backend=ref_backend)  # every rank makes every group
+            if dist.get_rank() in row:
+                mine.append(group)
+    meshes["reference"] = DeviceMesh.from_group(mine if len(mine) > 1 else mine[0], device.type,
+                                                mesh=ranks, mesh_dim_names=tuple(f"reference_{d}" for d in dims))
+    return meshes
+
+
+def cross_host_traffic(mesh, shard_numel: int, device, cpu_group) -> dict:
+    """What the replicate all-reduce moves per minibatch (fp32 gradients: each rank's shard)
+    and how long one takes on ``mesh``'s replicate group, timed alone (best of two)."""
+    group = mesh.get_group(0)
+    grads = torch.ones(shard_numel, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(3):  # the first one warms the communicator up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier(group=cpu_group)
+        t0 = time.perf_counter()
+        dist.all_reduce(grads, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    n = group.size()
+    best = min(times[1:])
+    return {"replicas": n, "bytes_per_rank_per_allreduce": shard_numel * 4, "allreduce_s": best,
+            "allreduce_s_all": times,
+            "busbw_gbps": shard_numel * 4 * 2 * (n - 1) / n / best / 1e9,
+            "backend": group._get_backend(device).name()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -505,7 +567,8 @@ def main() -> int:
     p.add_argument("--loss-chunk", type=int, default=8192, help="tokens per LM-head chunk (GPU model)")
     p.add_argument("--no-activation-checkpointing", action="store_true")
     p.add_argument("--configs", default="reference_lbmicro,exact_lbmicro,decoupled_lbmini,decoupled_dynamic",
-                   help="comma-separated, from reference_lbmicro, exact_lbmicro, exact_registered_lbmicro, "
+                   help="comma-separated, from reference_lbmicro, reference_arpermicro_lbmicro (--hsdp: "
+                        "the replicate all-reduce after every microbatch), exact_lbmicro, exact_registered_lbmicro, "
                         "decoupled_lbmini, decoupled_dynamic, decoupled_local_lbmini "
                         "(odc.decouple(..., accumulate='local'))")
     p.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
@@ -514,6 +577,8 @@ def main() -> int:
                    help="planning cost model: fitted to timed microbatches before the runs, or "
                         "TransformerCost FLOPs")
     p.add_argument("--balanced", action="store_true", help="constant document lengths (control)")
+    p.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="HSDP: R replicas of world / R shards each (R > 1; across hosts: R = the hosts)")
     p.add_argument("--profile", action="store_true",
                    help="diagnosis, not a benchmark: run the timed steps under torch.profiler and "
                         "record per configuration and rank the GPU kernels' time by name (tokens/s "
@@ -538,7 +603,6 @@ def main() -> int:
         device = torch.device("cpu")
         dist.init_process_group("cpu:odc")
         ref_backend = "gloo"
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -567,13 +631,11 @@ def main() -> int:
     args.vocab = shape["vocab_size"]
 
     cpu_group = dist.new_group(backend="gloo")
-    # Distinct dim names: meshes of one shape compare equal otherwise, and FSDP2 then gave the
-    # second model's parameters the first mesh (seen on torch 2.13: odc runs moved by gloo).
-    meshes = {"odc": init_device_mesh(device.type, (world,), mesh_dim_names=("odc_shard",))}
     names = [n for n in args.configs.split(",") if n]
-    if "reference_lbmicro" in names:
-        meshes["reference"] = DeviceMesh.from_group(dist.new_group(backend=ref_backend), device.type,
-                                                    mesh_dim_names=("reference_shard",))
+    if "reference_arpermicro_lbmicro" in names and args.hsdp == 1:
+        p.error("reference_arpermicro_lbmicro is an HSDP configuration: add --hsdp R")
+    meshes = sharding_meshes(device, world, args.hsdp,
+                             ref_backend if any(n.startswith("reference") for n in names) else None)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if use_cuda else MixedPrecisionPolicy())
 
@@ -635,7 +697,9 @@ def main() -> int:
         mesh = meshes["reference" if name.startswith("reference") else "odc"]
         model = build_sharded(mesh)
         n_params = sum(q.numel() for q in model.parameters())  # global: DTensor numel
-        moved_by = next(model.parameters()).device_mesh.get_group()._get_backend(device).name()
+        shard_numel = sum(q.to_local().numel() for q in model.parameters())  # this rank's
+        on = next(model.parameters()).device_mesh  # the mesh FSDP2 gave the parameters
+        moved_by = on.get_group(on.ndim - 1)._get_backend(device).name()
         if moved_by != ("odc" if mesh is meshes["odc"] else ref_backend):
             raise RuntimeError(f"{name}: the parameters' mesh moves {device.type} tensors with {moved_by}")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -645,7 +709,8 @@ def main() -> int:
             odc.decouple(model, opt, accumulate="local" if "_local" in name else "owner")
         balancer = balance.DynamicBalancer(name=name) if name.endswith("_dynamic") else None
         plan = plans[name]
-        run = dict(balancer=balancer, straggler=straggler, cost=cost)
+        run = dict(balancer=balancer, straggler=straggler, cost=cost,
+                   hsdp_once=args.hsdp > 1 and name == "reference_lbmicro")
         train_steps(model, opt, plan[:1], docs[:1], args, decoupled, device, cpu_group, **run)  # warm-up
         before = odc.metrics(model) if decoupled else None
         with profiled(args.profile and use_cuda) as prof:
@@ -697,6 +762,16 @@ def main() -> int:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
+    cross_host = None
+    if args.hsdp > 1:  # the replicate all-reduce's bytes and time (the reference's group; odc's is its inner one)
+        cross_host = cross_host_traffic(meshes.get("reference", meshes["odc"]), shard_numel, device, cpu_group)
+        cross_host["allreduces_per_minibatch"] = {
+            n: (max(c for c in r["per_rank_microbatches"][0]) if n == "reference_arpermicro_lbmicro" else 1)
+            for n, r in results.items()}
+        if rank == 0:
+            print(f"[train_imbalanced] cross-replica all-reduce: {cross_host['bytes_per_rank_per_allreduce'] / 2**30:.2f}"
+                  f" GiB per rank in {cross_host['allreduce_s']:.3f} s ({cross_host['busbw_gbps']:.2f} GB/s bus, "
+                  f"{cross_host['backend']})", flush=True)
     summary = {}
     timed_docs = docs[1:]
     if any(n.startswith("decoupled") for n in results) and (
@@ -739,6 +814,8 @@ def main() -> int:
         print("[train_imbalanced] bubble rate: "
               + ", ".join(f"{n} {100 * b:.1f}%" for n, b in summary.get("bubble_rate", {}).items()), flush=True)
         kind = _meta.machine_kind(device, world)
+        if args.hsdp > 1:  # emulated or real hosts: one replica a host (ODC_HOST_SIZE says so)
+            kind += f"-{args.hsdp}hosts" if os.environ.get("ODC_HOST_SIZE") else f"-hsdp{args.hsdp}"
         suffix = ("_balanced" if args.balanced else "") + ("_straggler" if args.straggler else "")
         out = _meta.result_path(args.out_dir, "train_imbalanced", kind, suffix)
         out.write_text(json.dumps({
@@ -747,6 +824,8 @@ def main() -> int:
             **_meta.stamp(device, world), "args": vars(args), "calibration": calibration,
             "attention_warmup_s": warm_s,
             "cost_model": (dataclasses.asdict(cost) if dataclasses.is_dataclass(cost) else str(cost)),
+            "hsdp_replicas": args.hsdp, "odc_host_size": os.environ.get("ODC_HOST_SIZE"),
+            "nccl_hostid": os.environ.get("NCCL_HOSTID"), "cross_host": cross_host,
             "documents": docs, "results": results, "summary": summary}, indent=1))
         print(f"[train_imbalanced] wrote {out}", flush=True)
     dist.destroy_process_group()

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <exception>  // std::uncaught_exceptions
 #include <mutex>
+#include <cstdio>
 #include <cstring>
 
 #include "text.hpp"
@@ -363,7 +364,7 @@ at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
     std::lock_guard<std::mutex> lock(mu_);
     check_usable();
     Channel& ch = channel(device);
-    if (!ch.pool && ch.transport->maps_every_peer()) {
+    if (!ch.pool && ch.transport && ch.transport->maps_every_peer()) {
       const size_t bytes = options_->pool_bytes_for(device.is_cuda());
       int arena = 0;
       try {
@@ -486,6 +487,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
   Channel& ch = channel(device);
+  ODC_CHECK(ch.transport, ValueError, cross_host_refusal(ch, *options_, c10d::opTypeToString(type)));
   {
     const std::string err = ch.transport->async_error();
     if (!err.empty()) {
@@ -641,8 +643,39 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
   }, /*blocking=*/false, /*ends_with_op=*/true);
 }
 
+c10::intrusive_ptr<c10d::Backend> OdcBackend::across_hosts(const c10::Device& device) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_usable();
+    const Channel& ch = channel(device);
+    if (ch.hosts.empty()) return {};
+    if (getRank() == 0 && !across_hosts_noted_.exchange(true)) {
+      std::fprintf(stderr, "%s\n", cat("odc: group '", options_->group_name, "' has ranks on several hosts (",
+                                       ch.hosts, ") and ", ch.hosts_why, ": its all-gathers and "
+                                       "reduce-scatters on ", device.type() == c10::kCUDA ? "CUDA" : "CPU",
+                                       " tensors go to its inner ", device.is_cuda() ? "NCCL" : "gloo",
+                                       " group (docs/multi_host.md)").c_str());
+    }
+  }
+  count(Stat::CrossHostOps, 1);
+  return inner(device.type());
+}
+
+std::string OdcBackend::hosts(const c10::Device& device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable();
+  return channel(device).hosts;
+}
+
+namespace {
+c10::Device first_device(const std::vector<at::Tensor>& ts) {
+  return !ts.empty() && ts[0].defined() ? ts[0].device() : c10::Device(c10::kCPU);
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                            const c10d::AllgatherOptions& opts) {
+  if (auto b = across_hosts(input.device())) return b->_allgather_base(output, input, opts);
   std::vector<at::Tensor> outs{output}, ins{input};
   return run(Kind::AllGather, outs, ins, opts.asyncOp, nullptr, "all_gather_into_tensor");
 }
@@ -650,6 +683,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::_allgather_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (auto b = across_hosts(first_device(inputs))) {
+    return b->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
   return run(Kind::AllGather, outputs, inputs, opts.asyncOp, nullptr,
              "allgather_into_tensor_coalesced");
 }
@@ -660,6 +696,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::_reduce_scatter_base(
     count(Stat::DelegatedOps, 1);
     return inner(input.device().type())->_reduce_scatter_base(output, input, opts);
   }
+  if (auto b = across_hosts(input.device())) return b->_reduce_scatter_base(output, input, opts);
   std::vector<at::Tensor> outs{output}, ins{input};
   return run(Kind::ReduceScatter, outs, ins, opts.asyncOp, &opts.reduceOp,
              "reduce_scatter_tensor");
@@ -672,6 +709,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter_tensor_coalesced(
     count(Stat::DelegatedOps, 1);
     return inner(inputs.empty() ? c10::kCPU : inputs[0].device().type())
         ->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
+  if (auto b = across_hosts(first_device(inputs))) {
+    return b->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
   return run(Kind::ReduceScatter, outputs, inputs, opts.asyncOp, &opts.reduceOp,
              "reduce_scatter_tensor_coalesced");
@@ -818,6 +858,7 @@ const char* stat_name(Stat s) {
       "copy_engine_ops",
       "copy_engine_blocks",
       "delegated_ops",
+      "cross_host_ops",
       "own_all_reduce_ops",
       "own_reduce_ops",
       "own_broadcast_ops",

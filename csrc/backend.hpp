@@ -57,6 +57,7 @@ enum class Stat : int {
   CopyEngineOps,
   CopyEngineBlocks,
   DelegatedOps,
+  CrossHostOps,
   OwnAllReduceOps,
   OwnReduceOps,
   OwnBroadcastOps,
@@ -178,6 +179,9 @@ class OdcBackend final : public c10d::Backend {
 
   // The inner backend for a device type ("cpu" / "cuda"), created on first use.
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);
+  // Where this group's ranks are on several hosts that odc's transports do not connect
+  // (Channel::hosts; "" where they do), set up on `device` at the first call.
+  std::string hosts(const c10::Device& device);
   // The group's ranks in the default group.
   std::vector<int> global_ranks() const;
 
@@ -187,6 +191,11 @@ class OdcBackend final : public c10d::Backend {
   friend class DecoupledArena;
   enum class Kind { AllGather, ReduceScatter };
   void release_inners(bool abort);
+  // The inner backend where the group spans hosts odc does not connect on `device`: it then
+  // serves the group's all-gathers and reduce-scatters (counted as cross_host_ops; noted
+  // once on stderr by group rank 0). nullptr: odc serves them.
+  c10::intrusive_ptr<c10d::Backend> across_hosts(const c10::Device& device);
+  std::atomic<bool> across_hosts_noted_{false};
   c10::intrusive_ptr<c10d::Work> run(Kind kind, std::vector<at::Tensor>& outputs,
                                      std::vector<at::Tensor>& inputs, bool async_op,
                                      const c10d::ReduceOp* op, const char* api);

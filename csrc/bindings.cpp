@@ -74,7 +74,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("stream_memops", &O::stream_memops, "ODC_STREAM_MEMOPS")
       .def_readwrite("ag_push", &O::ag_push, "ODC_AG_PUSH (-1: auto)")
       .def_readwrite("transport", &O::transport, "ODC_TRANSPORT")
-      .def_readwrite("host_size", &O::host_size, "ODC_HOST_SIZE (0: one host)")
+      .def_readwrite("host_size", &O::host_size, "ODC_HOST_SIZE (0: hosts by name only)")
+      .def("splits_hosts", &O::splits_hosts, py::arg("global_a"), py::arg("global_b"),
+           "Whether ODC_HOST_SIZE puts these global ranks on different hosts.")
       .def_readwrite("match_check", &O::match_check, "ODC_MATCH_CHECK")
       .def_readwrite("self_serve", &O::self_serve, "ODC_SELF_SERVE")
       .def_readwrite("nccl_available", &O::nccl_available, "whether torch has NCCL")
@@ -122,6 +124,11 @@ PYBIND11_MODULE(_C, m) {
            "This group's ranks in the default group.")
       .def("stats", &odc::OdcBackend::stats,
            "Counters of this group: one-sided ops and bytes, delegated ops.")
+      .def("hosts", &odc::OdcBackend::hosts, py::arg("device"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Where the group's ranks are on several hosts that odc does not connect on `device` "
+           "(its collectives then go to the inner NCCL / gloo group); '' where odc connects "
+           "them. Sets the device's transport up at the first call (collective).")
       .def("claim", &odc::OdcBackend::claim, py::arg("key"), py::arg("amount") = 1,
            py::call_guard<py::gil_scoped_release>(),
            "The group-wide counter `key` before adding `amount` (atomic; odc.balance's work sharing).")

@@ -1,6 +1,7 @@
 // Layer 4, channel: the transport factory (channel.hpp). Picks and sets up a device's
 // transport from the options: host shared memory for CPU tensors; for CUDA tensors the CUDA
-// transport over CUDA IPC memory, or over NVSHMEM's heap where options route some peer.
+// transport over CUDA IPC memory, or over NVSHMEM's heap where options route some peer; none
+// where the group's ranks are on several hosts that these do not connect.
 #include "channel.hpp"
 
 #include <unistd.h>
@@ -32,7 +33,65 @@ std::vector<uint8_t> this_host() {
   gethostname(host, sizeof(host) - 1);
   return std::vector<uint8_t>(host, host + std::strlen(host));
 }
+
+// Each rank's host: its host name, and with ODC_HOST_SIZE its block of global ranks too
+// (emulated hosts on one machine share a name). Ranks with different labels are on
+// different hosts.
+std::vector<std::string> host_labels(const Options& o, const std::vector<std::string>& names) {
+  std::vector<std::string> labels;
+  for (size_t r = 0; r < names.size(); ++r) {
+    const int64_t g = o.global_ranks_in_group.empty() ? static_cast<int64_t>(r)
+                                                      : o.global_ranks_in_group[r];
+    labels.push_back(o.host_size > 0 ? cat(names[r], " #", g / o.host_size) : names[r]);
+  }
+  return labels;
+}
+
+// "'a' (ranks 0, 1), 'b' (ranks 2, 3)": the group's ranks by host, hosts in order of their
+// first rank.
+std::string describe_hosts(const std::vector<std::string>& labels) {
+  std::vector<std::string> hosts;
+  std::vector<std::string> ranks;
+  for (size_t r = 0; r < labels.size(); ++r) {
+    const size_t h = std::find(hosts.begin(), hosts.end(), labels[r]) - hosts.begin();
+    if (h == hosts.size()) {
+      hosts.push_back(labels[r]);
+      ranks.emplace_back();
+    }
+    ranks[h] += cat(ranks[h].empty() ? "" : ", ", r);
+  }
+  std::string out;
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    out += cat(h ? ", '" : "'", hosts[h], "' (rank", ranks[h].find(',') == std::string::npos ? " " : "s ",
+               ranks[h], ")");
+  }
+  return out;
+}
+
+// Marks the channel as spanning hosts odc does not connect when some rank not `reached` is on
+// another host than this one: its collectives then go to the inner backend.
+bool spans_hosts(Channel& ch, int rank, const std::vector<std::string>& labels,
+                 const std::vector<bool>& reached, std::string why) {
+  for (size_t r = 0; r < labels.size(); ++r) {
+    if (!reached[r] && labels[r] != labels[rank]) {
+      ch.hosts = describe_hosts(labels);
+      ch.hosts_why = std::move(why);
+      return true;
+    }
+  }
+  return false;
+}
 }  // namespace
+
+std::string cross_host_refusal(const Channel& ch, const Options& options, const std::string& what) {
+  return cat("odc: group '", options.group_name, "' cannot run ", what,
+             " one-sidedly: its ranks are on several hosts (", ch.hosts, ") and ", ch.hosts_why,
+             ". Keep one-sided work inside a host: HSDP with the shard dimension inside a host "
+             "(init_device_mesh(device, (hosts, ranks_per_host), mesh_dim_names=('replicate', "
+             "'shard'))) runs odc within each host and NCCL (gloo for CPU tensors) across; or build with "
+             "ODC_WITH_NVSHMEM=1 on hosts with RDMA NICs and set ODC_HOST_SIZE. See "
+             "docs/multi_host.md");
+}
 
 #ifdef ODC_WITH_CUDA
 namespace {
@@ -87,18 +146,17 @@ Channel make_channel(const c10::Device& device, const Options& options,
       std::vector<int> pes(options.global_ranks_in_group.begin(), options.global_ranks_in_group.end());
       std::vector<bool> routed(size, false);
       for (int r = 0; r < size; ++r) routed[r] = o.routes_peer(pes[rank], pes[r]);
-      // CUDA IPC reaches only this host's GPUs: a peer the knobs put on this host but whose
-      // host name differs would fail later, obscurely, in cudaIpcOpenMemHandle.
+      // CUDA IPC reaches only this host's GPUs: a peer on another host (by name, or by
+      // ODC_HOST_SIZE) that NVSHMEM does not route leaves the group to the inner NCCL group.
       const auto places = gpu_places(a, device.index());
-      for (int r = 0; r < size; ++r) {
-        ODC_CHECK(routed[r] || host_of(places[r]) == host_of(places[rank]), ValueError,
-                  "odc: group '", options.group_name, "': rank ", r, " runs on host '", host_of(places[r]),
-                  "' and this rank (", rank, ") on '", host_of(places[rank]),
-                  "', but ", o.transport == TransportKind::CudaIpc ? "ODC_TRANSPORT=ipc" : (options.host_size > 0
-                  ? cat("ODC_HOST_SIZE=", options.host_size) : std::string("ODC_HOST_SIZE (unset)")),
-                  " puts them on one host, where odc reaches peers through CUDA IPC. Set "
-                  "ODC_HOST_SIZE to the ranks per host (torchrun's --nproc-per-node) on every rank,"
-                  " with an ODC_WITH_NVSHMEM=1 build: peers on other hosts then go over NVSHMEM");
+      std::vector<std::string> names;
+      for (const auto& p : places) names.push_back(host_of(p));
+      if (spans_hosts(ch, rank, host_labels(o, names), routed,
+                      o.transport == TransportKind::CudaIpc
+                          ? "ODC_TRANSPORT=ipc keeps odc's CUDA transport inside a host"
+                          : (kBuiltWithNvshmem ? "ODC_HOST_SIZE does not split the hosts where their names do"
+                                               : "this build has no NVSHMEM, odc's only transport between GPUs of different hosts"))) {
+        return ch;
       }
       std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
       const std::vector<int64_t> group(pes.begin(), pes.end());
@@ -139,15 +197,13 @@ Channel make_channel(const c10::Device& device, const Options& options,
     } else {
       ODC_CHECK(device.is_cpu(), ValueError, "odc: unsupported device ", device,
                         " (odc moves CPU and CUDA tensors)");
-      // Shared memory reaches only this host's processes: say so instead of timing out.
-      const auto hosts = exchange_blobs(a, "host", this_host());
-      for (int r = 0; r < size; ++r) {
-        ODC_CHECK(hosts[r] == hosts[rank], ValueError, "odc: group '", options.group_name,
-                  "': rank ", r, " runs on host '", std::string(hosts[r].begin(), hosts[r].end()),
-                  "' and this rank (", rank, ") on '",
-                  std::string(hosts[rank].begin(), hosts[rank].end()),
-                  "'; odc moves CPU tensors through this host's shared memory only. Across hosts, "
-                  "let gloo move CPU tensors: init_process_group('cpu:gloo,cuda:odc')");
+      // Shared memory reaches only this host's processes: a group with ranks on several
+      // hosts (by name, or by ODC_HOST_SIZE) leaves its CPU tensors to the inner gloo group.
+      std::vector<std::string> names;
+      for (const auto& h : exchange_blobs(a, "host", this_host())) names.emplace_back(h.begin(), h.end());
+      if (spans_hosts(ch, rank, host_labels(options, names), std::vector<bool>(size, false),
+                      "odc moves CPU tensors through one host's shared memory only")) {
+        return ch;
       }
       ch.transport = std::make_unique<ShmTransport>(a);
       ch.push_all_gather = options.ag_push == 1;

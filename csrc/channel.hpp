@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <memory>
+#include <string>
 
 #include "options.hpp"
 #include "pool.hpp"
@@ -16,13 +17,20 @@
 
 namespace odc {
 
-// One transport + protocol per device type this group has moved data on.
+// One transport + protocol per device type this group has moved data on; none where the
+// group's ranks are on several hosts that odc's transports do not connect (`hosts`).
 struct Channel {
   // Shared with the Works of its collectives: a Work may outlive the group (its wait() and
   // isCompleted() read the transport's asynchronous error).
   std::shared_ptr<Transport> transport;
   std::unique_ptr<Protocol> protocol;
   c10::Device device{c10::kCPU};
+  // Where the group's ranks are on several hosts that no odc transport connects (CPU
+  // tensors; CUDA without NVSHMEM): "'a' (ranks 0, 1), 'b' (ranks 2, 3)". The channel then
+  // has no transport: the inner backend (NCCL, gloo) serves the group's collectives.
+  std::string hosts;
+  // Why no odc transport crosses those hosts, and what to do (with `hosts`, for errors).
+  std::string hosts_why;
   void* async_stream = nullptr;  // CUDA: the side stream async ops run on (take_async_stream)
   bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
   // Zero-copy all-gathers push each rank's shard into its peers' outputs instead of reading
@@ -39,6 +47,10 @@ struct Channel {
 // `options`. Errors name the group and what to change.
 Channel make_channel(const c10::Device& device, const Options& options,
                      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
+
+// The error of an operation odc must serve one-sidedly (`what`: "odc.decouple", "ALLREDUCE")
+// on a channel whose group spans hosts odc does not connect (Channel::hosts).
+std::string cross_host_refusal(const Channel& ch, const Options& options, const std::string& what);
 
 // CUDA: the stream a group's async collectives run on, its own while the group lives
 // (another group's collectives on it would run in issue order behind this one's device-side

@@ -88,6 +88,7 @@ std::shared_ptr<DecoupledArena> DecoupledArena::create(
                 ValueError, "odc: decoupled: bad sizes for parameter group ", g);
     }
     Channel& ch = b.channel(device);
+    ODC_CHECK(ch.transport, ValueError, cross_host_refusal(ch, b.options(), "odc.decouple"));
     bool accumulators = false;
     for (int64_t g : grad_numel) accumulators = accumulators || g > 0;
     ODC_CHECK(!accumulators || ch.transport->accumulates_everywhere(), ValueError,

@@ -13,11 +13,20 @@
 
 namespace odc {
 
-// How CUDA peers are reached (ODC_TRANSPORT).
+// Whether this build has the NVSHMEM transport (ODC_WITH_NVSHMEM=1): the only one of odc's
+// transports that reaches GPUs of other hosts.
+#ifdef ODC_WITH_NVSHMEM
+constexpr bool kBuiltWithNvshmem = true;
+#else
+constexpr bool kBuiltWithNvshmem = false;
+#endif
+
+// How CUDA peers are reached (ODC_TRANSPORT). A group with ranks on several hosts that no
+// odc transport connects hands its collectives to its inner NCCL (gloo) group instead.
 enum class TransportKind : int {
-  Auto = 0,     // CUDA IPC on this host, NVSHMEM for peers on other hosts (ODC_HOST_SIZE)
+  Auto = 0,     // CUDA IPC on this host; peers on other hosts over NVSHMEM where built
   Nvshmem = 1,  // every peer over NVSHMEM
-  CudaIpc = 2,  // every peer over CUDA IPC
+  CudaIpc = 2,  // CUDA IPC on this host only: never NVSHMEM
 };
 
 // Who serves the collectives FSDP does not issue (all-reduce, broadcast, ...; ODC_SELF_SERVE).
@@ -71,12 +80,17 @@ struct Options final : c10d::Backend::Options {
   size_t chunk_bytes_for(bool cuda) const {
     return chunk_bytes ? chunk_bytes : (cuda ? kDefaultChunkCuda : kDefaultChunkCpu);
   }
+  // Whether ODC_HOST_SIZE puts these two global ranks on different hosts (ranks on hosts of
+  // different names are on different hosts whatever it says: the channel compares names).
+  bool splits_hosts(int64_t global_a, int64_t global_b) const {
+    return host_size > 0 && global_a / host_size != global_b / host_size;
+  }
   // The routing decision, for the channel and for Python (NVSHMEM set-up, decoupled mode):
   // whether CUDA traffic between these two global ranks goes over NVSHMEM.
   bool routes_peer(int64_t global_a, int64_t global_b) const {
     if (global_a == global_b || transport == TransportKind::CudaIpc) return false;
     return transport == TransportKind::Nvshmem ||
-           (host_size > 0 && global_a / host_size != global_b / host_size);
+           (kBuiltWithNvshmem && splits_hosts(global_a, global_b));
   }
   bool routes_some_peer(const std::vector<int64_t>& global_ranks) const {
     // Routing splits ranks into classes (hosts; with Nvshmem, each rank its own): some pair

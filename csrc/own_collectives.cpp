@@ -66,7 +66,8 @@ bool OdcBackend::serves_itself(const c10::Device& device) {
   if (!options_->nccl_available) return true;
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
-  return channel(device).shares_device;  // sets the transport up (collective) the first time
+  const Channel& ch = channel(device);  // sets the transport up (collective) the first time
+  return ch.hosts.empty() && ch.shares_device;  // across hosts: NCCL, whose ranks never share
 }
 
 void OdcBackend::own_all_reduce(Channel& ch, void* stream, uint64_t seq, const at::Tensor& t,

@@ -85,10 +85,12 @@ KNOBS: tuple[Knob, ...] = (
          "peers' shards (0); auto: push where every rank has a GPU of its own on one host"),
     Knob("ODC_TRANSPORT", _choice({"auto": TransportKind.AUTO, "nvshmem": TransportKind.NVSHMEM,
                                    "ipc": TransportKind.CUDA_IPC}, "auto, ipc or nvshmem"),
-         "transport", "CUDA peers over auto (NVSHMEM for other hosts), nvshmem or ipc"),
+         "transport", "CUDA peers over auto (other hosts: NVSHMEM where built, else the inner NCCL "
+         "group), nvshmem (every peer) or ipc (CUDA IPC inside a host, NCCL across)"),
     # torchrun numbers ranks host by host: set it to the launcher's --nproc-per-node for
     # multi-host runs. Not taken from LOCAL_WORLD_SIZE by itself: nested launches inherit that.
-    Knob("ODC_HOST_SIZE", _int_in(1, 1 << 20), "host_size", "global ranks per host (unset: every rank on one host)"),
+    Knob("ODC_HOST_SIZE", _int_in(1, 1 << 20), "host_size",
+         "global ranks per host (unset: hosts told apart by name only)"),
     Knob("ODC_MATCH_CHECK", _flag, "match_check", "ranks check that their collectives match (1)"),
     Knob("ODC_SELF_SERVE", _choice({"auto": SelfServe.AUTO, "1": SelfServe.ODC, "0": SelfServe.INNER},
                                    "auto, 1 or 0"),

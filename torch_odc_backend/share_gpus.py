@@ -17,15 +17,16 @@ shared GPUs. For correctness and debugging: ranks sharing a GPU take turns on it
 from __future__ import annotations
 
 import os
-import runpy
 import sys
+
+from . import _script
 
 USAGE = "usage: python -m torch_odc_backend.share_gpus (SCRIPT | -m MODULE) [ARGS...]"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
+    if not _script.is_target(argv) or argv[0] in ("-h", "--help"):
         raise SystemExit(USAGE)
     import torch
 
@@ -34,13 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("torch_odc_backend.share_gpus: no CUDA device is visible")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     os.environ["LOCAL_RANK"] = str(local_rank % count)
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+    _script.run(argv)
 
 
 if __name__ == "__main__":

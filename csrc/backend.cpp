@@ -3,6 +3,7 @@
 #include "backend.hpp"
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -662,9 +663,13 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::across_hosts(const c10::Device& de
 }
 
 std::string OdcBackend::hosts(const c10::Device& device) {
+  // "cuda" names the current GPU, as for tensors made there
+  const c10::Device on = device.has_index() || device.is_cpu()
+                             ? device
+                             : c10::impl::getDeviceGuardImpl(device.type())->getDevice();
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
-  return channel(device).hosts;
+  return channel(on).hosts;
 }
 
 namespace {

@@ -300,6 +300,8 @@ def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, fir
         for i, mb in enumerate(mine):
             if hsdp_once:  # HSDP: the replicate all-reduce after the minibatch's last microbatch only
                 model.set_requires_all_reduce(i == len(mine) - 1)
+            if decoupled and balancer is None and i == len(mine) - 1:
+                odc.last_microbatch(model)  # HSDP: the cross-replica all-reduces start in its backward
             h0 = time.perf_counter()
             docs_mb = [lengths[i] for i in mb] if mb else [8]
             weight = 1.0 if mb else 0.0  # LB-Micro padding: a zero-weight dummy joins the collectives

@@ -13,6 +13,18 @@ uint64_t* Arena::flag_in(int owner, ArenaLayout::Flag kind, int index) {
   return reinterpret_cast<uint64_t*>(base(owner) + layout_.flag(kind, index));
 }
 
+uint64_t* Arena::group_flag_in(int owner, int group, int index) {
+  return reinterpret_cast<uint64_t*>(base(owner) + layout_.group_done(group, index));
+}
+
+std::vector<uint64_t*> Arena::group_flags_at_owners(int first, int last) {
+  std::vector<uint64_t*> at_owners;
+  for (int g = first; g < last; ++g) {
+    for (int p = 0; p < world_; ++p) at_owners.push_back(group_flag_in(p, g, rank_));
+  }
+  return at_owners;
+}
+
 void Arena::publish(int group, const void* shard) {
   t_->copy(0, base(rank_) + layout_.pub_off[group], shard, layout_.pub_bytes[group]);
 }
@@ -55,8 +67,26 @@ void Arena::finish(uint64_t epoch, uint64_t op_seq) {
     mine.push_back(flag_in(rank_, ArenaLayout::Done, p));
     peers.push_back(p);
   }
-  t_->signal(0, at_owners, epoch);  // after every accumulate issued before it
+  // after every accumulate issued before it; first the groups' counters, which early takes
+  // of groups this rank did not say it was done with wait for
+  t_->signal(0, group_flags_at_owners(0, static_cast<int>(layout_.numel.size())), epoch);
+  t_->signal(0, at_owners, epoch);
   t_->wait(0, mine, peers, epoch, {"decoupled sync", "the gradient contributions of", op_seq});
+}
+
+void Arena::group_done(int group, uint64_t epoch) {
+  t_->signal(0, group_flags_at_owners(group, group + 1), epoch);  // after its accumulates
+}
+
+void Arena::take_when_done(int group, float* out, uint64_t epoch, uint64_t op_seq) {
+  std::vector<const uint64_t*> mine;
+  std::vector<int> peers;
+  for (int p = 0; p < world_; ++p) {
+    mine.push_back(group_flag_in(rank_, group, p));
+    peers.push_back(p);
+  }
+  t_->wait(0, mine, peers, epoch, {"decoupled early reduction", "the gradient contributions of", op_seq});
+  take(group, out);
 }
 
 void Arena::take(int group, float* out) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "layout.hpp"
 #include "transport.hpp"
@@ -14,6 +15,9 @@ namespace odc {
 // announced the epoch), accumulate() adds into owners' accumulators (never waits).
 // finish() is the minibatch's one synchronisation; take() then reads and clears this
 // rank's accumulator; publish() + announce() make the next epoch's shards readable.
+// Before finish, a rank done with a group for the epoch may say so (group_done(); finish
+// says it for every group), and take_when_done() takes this rank's accumulator of a group
+// once every rank said so: the group's cross-replica reduction can start early.
 // Group indices are validated by the caller (decoupled.cpp).
 class Arena {
  public:
@@ -26,9 +30,14 @@ class Arena {
   void accumulate(int group, const void* in, DType dtype);          // in: world shards
   void finish(uint64_t epoch, uint64_t op_seq);
   void take(int group, float* out);
+  void group_done(int group, uint64_t epoch);
+  void take_when_done(int group, float* out, uint64_t epoch, uint64_t op_seq);
 
  private:
   uint64_t* flag_in(int owner, ArenaLayout::Flag kind, int index);
+  uint64_t* group_flag_in(int owner, int group, int index);
+  // This rank's GroupDone counters of `groups` at every owner.
+  std::vector<uint64_t*> group_flags_at_owners(int first, int last);
 
   char* base(int rank) { return t_->arena(id_, rank); }
 

@@ -174,6 +174,14 @@ PYBIND11_MODULE(_C, m) {
            "The minibatch's synchronisation (collective).")
       .def("take", &A::take, py::arg("group"), py::arg("out"),
            py::call_guard<py::gil_scoped_release>())
+      .def("group_done", &A::group_done, py::arg("group"), py::arg("epoch"),
+           py::call_guard<py::gil_scoped_release>(),
+           "This rank put everything of `group` for `epoch` (after its accumulates).")
+      .def("take_when_done", &A::take_when_done, py::arg("group"), py::arg("out"), py::arg("epoch"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Take `group`'s accumulator once every rank is done with it for `epoch`.")
+      .def("side_stream", &A::side_stream,
+           "CUDA: the arena's own stream for early reductions (cudaStream_t as int; 0 on CPU).")
       .def("size", &A::size, "Bytes of its shared layout on each rank.");
 
 #ifdef ODC_WITH_CUDA

@@ -180,6 +180,43 @@ void DecoupledArena::take(int64_t group, const at::Tensor& out) {
   });
 }
 
+void DecoupledArena::group_done(int64_t group, int64_t epoch) {
+  call([&] {
+    check_group(group, "group_done");
+    op(Transport::kArenaPutRing,  // the ring of its accumulates: after them
+       [&] { arena_->group_done(static_cast<int>(group), static_cast<uint64_t>(epoch)); });
+  });
+}
+
+void DecoupledArena::take_when_done(int64_t group, const at::Tensor& out, int64_t epoch) {
+  call([&] {
+    check_group(group, "take_when_done");
+    ODC_CHECK(out.scalar_type() == at::kFloat, TypeError,
+              "odc: decoupled sync: accumulators are float32");
+    check_arena_tensor(out, device_, arena_->layout().grad_numel[group] * sizeof(float), "sync");
+    const uint64_t seq = ++backend_->seq_;
+    op(Transport::kArenaSyncRing, [&] {
+      arena_->take_when_done(static_cast<int>(group), out.data_ptr<float>(),
+                             static_cast<uint64_t>(epoch), seq);
+    });
+  });
+}
+
+int64_t DecoupledArena::side_stream() {
+#ifdef ODC_WITH_CUDA
+  call([&] {
+    if (device_.is_cuda() && !side_stream_) side_stream_ = take_async_stream(device_.index());
+  });
+#endif
+  return reinterpret_cast<int64_t>(side_stream_);
+}
+
+DecoupledArena::~DecoupledArena() {
+#ifdef ODC_WITH_CUDA
+  if (side_stream_) give_async_stream(device_.index(), side_stream_);  // kept for later arenas
+#endif
+}
+
 int64_t DecoupledArena::size() {
   int64_t bytes = 0;
   call([&] { bytes = static_cast<int64_t>(arena_->layout().total); });

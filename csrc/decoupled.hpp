@@ -34,6 +34,16 @@ class DecoupledArena {
   void accumulate(int64_t group, const at::Tensor& in);
   void finish(int64_t epoch);
   void take(int64_t group, const at::Tensor& out);
+  // Early reduction: this rank put everything of `group` for `epoch` (on the current stream,
+  // after its accumulates); take `group`'s accumulator once every rank did (the current
+  // stream waits for them, not the host).
+  void group_done(int64_t group, int64_t epoch);
+  void take_when_done(int64_t group, const at::Tensor& out, int64_t epoch);
+  // CUDA: a stream of the arena's own for the early reductions, made at the first call (a
+  // cudaStream_t as an integer; 0 on CPU). take_when_done waits there for the peers: on a
+  // pool stream, NCCL's or another user's work could queue behind that wait.
+  int64_t side_stream();
+  ~DecoupledArena();
   int64_t size();  // bytes of its shared layout on each rank
 
  private:
@@ -51,6 +61,7 @@ class DecoupledArena {
   c10::Device device_;
   std::unique_ptr<Arena> arena_;
   Transport* transport_;  // owned by backend_'s channel of device_
+  void* side_stream_ = nullptr;
 };
 
 }  // namespace odc

@@ -87,7 +87,7 @@ ArenaLayout::ArenaLayout(int world_, const std::vector<size_t>& shard_numel,
                          const std::vector<size_t>& param_elem_size,
                          const std::vector<size_t>& grad_numel_)
     : world(world_), numel(shard_numel), grad_numel(grad_numel_) {
-  size_t off = align64(static_cast<size_t>(kNumFlagArrays) * world * kFlagStride);
+  size_t off = align64(group_done(static_cast<int>(numel.size()), 0));  // the counters first
   for (size_t g = 0; g < numel.size(); ++g) {
     pub_bytes.push_back(numel[g] * param_elem_size[g]);
     pub_off.push_back(off);

@@ -145,9 +145,10 @@ struct WindowLayout {
 
 // Decoupled mode's persistent state, per rank: for every parameter group g the
 // rank's published parameter shard (param dtype) and its fp32 gradient accumulator,
-// plus two counter arrays: Done[src] (in the owner's arena: the epoch up to which
-// src has put all its contributions) and Pub[owner] (in a reader's arena: the epoch
-// the owner's published shards belong to).
+// plus counter arrays: Done[src] (in the owner's arena: the epoch up to which src has
+// put all its contributions), Pub[owner] (in a reader's arena: the epoch the owner's
+// published shards belong to) and, per group g, GroupDone[g][src] (in the owner's arena:
+// the epoch up to which src has put all its contributions to g).
 struct ArenaLayout {
   static constexpr size_t kFlagStride = 128;
   enum Flag : int { Done = 0, Pub, kNumFlagArrays };
@@ -165,6 +166,9 @@ struct ArenaLayout {
 
   size_t flag(Flag kind, int index) const {
     return (static_cast<size_t>(kind) * world + index) * kFlagStride;
+  }
+  size_t group_done(int group, int index) const {
+    return ((static_cast<size_t>(kNumFlagArrays) + group) * world + index) * kFlagStride;
   }
 };
 

@@ -32,6 +32,8 @@ CONFIGS = {
         "w2_grad_scaler_skips_a_step": dict(mesh=(2,), scaler=True)},
     4: {"w4": dict(mesh=(4,)), "hsdp_2x2": dict(mesh=(2, 2), dims=("replicate", "shard")),
         "hsdp_2x2_local_accumulate": dict(mesh=(2, 2), dims=("replicate", "shard"), accumulate="local"),
+        # odc.last_microbatch: the replicate all-reduces start in each rank's last backward
+        "hsdp_2x2_last_microbatch": dict(mesh=(2, 2), dims=("replicate", "shard"), last_hint=True),
         # backward all-gathers over groups of 2 ranks (the post-forward mesh)
         "w4_reshard2": dict(mesh=(4,), reshard=2),
         "hsdp_2x2_reshard_int_divide_factor": dict(mesh=(2, 2), dims=("replicate", "shard"),
@@ -52,6 +54,8 @@ GPU_CONFIGS = {"fp32_1d": dict(mesh=(N,)), "bf16_1d": dict(mesh=(N,), bf16=True)
                "fp32_1d_grad_scaler_skips_a_step": dict(mesh=(N,), scaler=True)}
 if N >= 4 and N % 2 == 0:
     GPU_CONFIGS["bf16_hsdp"] = dict(mesh=(2, N // 2), dims=("replicate", "shard"), bf16=True)
+    GPU_CONFIGS["bf16_hsdp_last_microbatch"] = dict(mesh=(2, N // 2), dims=("replicate", "shard"),
+                                                    bf16=True, last_hint=True)
     GPU_CONFIGS["fp32_1d_reshard_to_2"] = dict(mesh=(N,), reshard=2)
 if NVSHMEM_SUITE:  # peers over NVSHMEM: the owner-side put-accumulate is refused (test_nvshmem.py)
     for _cfg in GPU_CONFIGS.values():
@@ -84,7 +88,8 @@ FROZEN = ("blocks.0.proj.bias", "blocks.1.fc1.weight")  # e.g. adapters-only fin
 
 
 def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool, device="cpu", frozen=False,
-           accumulate="owner", reshard=True, divide_factor=None, scaler=False, offload=False):
+           accumulate="owner", reshard=True, divide_factor=None, scaler=False, offload=False,
+           last_hint=False):
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 
     import torch_odc_backend as odc
@@ -111,7 +116,10 @@ def _train(mesh, *, decoupled: bool, bf16: bool, delays: bool, device="cpu", fro
     rng = random.Random(rank)
     grads, scales = [], []
     for step in range(STEPS):
-        for mb in _assignments(dp, step, uneven=decoupled)[rank]:
+        mine = _assignments(dp, step, uneven=decoupled)[rank]
+        for i, mb in enumerate(mine):
+            if decoupled and last_hint and i == len(mine) - 1:
+                odc.last_microbatch(model)
             if delays:
                 time.sleep(rng.uniform(0, 0.05))
             loss = _microbatch_loss(model, mb, step, device)
@@ -227,7 +235,8 @@ def run_configs(configs, device="cpu"):
         try:
             kw = dict(bf16=cfg.get("bf16", False), device=device, frozen=cfg.get("frozen", False),
                       reshard=cfg.get("reshard", True), divide_factor=cfg.get("divide_factor"),
-                      scaler=cfg.get("scaler", False), offload=cfg.get("offload", False))
+                      scaler=cfg.get("scaler", False), offload=cfg.get("offload", False),
+                      last_hint=cfg.get("last_hint", False))
             out[name] = {"exact": _train(meshes[key], decoupled=False, delays=False, **kw),
                          "decoupled": _train(meshes[key], decoupled=True, delays=True,
                                              accumulate=cfg.get("accumulate", "owner"), **kw)}

@@ -100,8 +100,9 @@ def _two_hosts_worker(rank, world, device="cpu", reference="gloo"):
     from fsdp_models import build
     from test_decoupled import _train
 
-    def train(mesh, decoupled=False):
-        return _train(mesh, decoupled=decoupled, bf16=False, delays=decoupled, device=device)
+    def train(mesh, decoupled=False, last_hint=False):
+        return _train(mesh, decoupled=decoupled, bf16=False, delays=decoupled, device=device,
+                      last_hint=last_hint)
 
     hsdp = init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard"))
     flat = init_device_mesh(device, (world,), mesh_dim_names=("flat",))
@@ -111,6 +112,8 @@ def _two_hosts_worker(rank, world, device="cpu", reference="gloo"):
            "reference_hsdp": train(_mesh_on(reference, device, (2, 2), ("r_replicate", "r_shard"))),
            # rank (step % 4) runs half the microbatches, the next rank none (test_decoupled)
            "decoupled_hsdp": train(hsdp, decoupled=True),
+           # the cross-host all-reduces started in each rank's last backward
+           "decoupled_hsdp_last": train(hsdp, decoupled=True, last_hint=True),
            "exact_flat": train(flat),
            "reference_flat": train(_mesh_on(reference, device, (world,), ("r_flat",)))}
     out["stats"] = {n: odc.backend_stats(g, device) for n, g in groups.items()}
@@ -122,8 +125,30 @@ def _two_hosts_worker(rank, world, device="cpu", reference="gloo"):
         out["decouple_flat"] = None
     except ValueError as e:
         out["decouple_flat"] = str(e)
+    out["backward_after_last"] = _backward_after_last(hsdp, device)
     dist.barrier()
     return out
+
+
+def _backward_after_last(mesh, device):
+    """A backward after the one odc.last_microbatch announced raises (its gradients would
+    miss the reductions already started); returns the error's text."""
+    import torch_odc_backend as odc
+    from fsdp_models import build
+    from test_decoupled import _microbatch_loss
+
+    model, opt = build(mesh, seed=3, device=device)
+    odc.decouple(model, opt)
+    odc.last_microbatch(model)
+    _microbatch_loss(model, 0, 0, device).backward()
+    try:
+        _microbatch_loss(model, 1, 0, device).backward()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return None
 
 
 _two_hosts = run_once(lambda: run_distributed(_two_hosts_worker, 4, backend="cpu:odc", env=TWO_HOSTS,
@@ -147,9 +172,16 @@ def check_exact_hsdp(results):
 
 def check_decoupled_hsdp(results):
     for rank, r in results.items():
-        for step, (got, want) in enumerate(zip(r["decoupled_hsdp"]["grads"], r["exact_hsdp"]["grads"])):
-            _assert_close(got, want, f"rank {rank} step {step} grad")
-        _assert_close(r["decoupled_hsdp"]["params"], r["exact_hsdp"]["params"], f"rank {rank} params")
+        for run in ("decoupled_hsdp", "decoupled_hsdp_last"):
+            for step, (got, want) in enumerate(zip(r[run]["grads"], r["exact_hsdp"]["grads"])):
+                _assert_close(got, want, f"rank {rank} {run} step {step} grad")
+            _assert_close(r[run]["params"], r["exact_hsdp"]["params"], f"rank {rank} {run} params")
+        # started early on ranks that ran a microbatch (every group but the root, which the
+        # backward reduces last: test_decoupled's idle rank per step reduces in sync)
+        assert r["decoupled_hsdp_last"]["metrics"]["early_all_reduces"] > 0, r["decoupled_hsdp_last"]["metrics"]
+        assert r["decoupled_hsdp"]["metrics"]["early_all_reduces"] == 0
+        msg = r["backward_after_last"]
+        assert msg and "odc.last_microbatch" in msg and "again" in msg, msg
 
 
 def check_full_shard_across_hosts(results):

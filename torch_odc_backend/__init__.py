@@ -28,8 +28,8 @@ import warnings
 
 import torch
 
-__all__ = ["OdcBackend", "backend_stats", "balance", "built_with_cuda", "decouple", "metrics", "sync",
-           "use_registered_memory"]
+__all__ = ["OdcBackend", "backend_stats", "balance", "built_with_cuda", "decouple", "last_microbatch",
+           "metrics", "sync", "use_registered_memory"]
 
 BACKEND_NAME = "odc"
 
@@ -40,6 +40,7 @@ _LAZY = {
     "backend_stats": ("._backend", "backend_stats"),
     "decouple": (".decoupled", "decouple"),
     "sync": (".decoupled", "sync"),
+    "last_microbatch": (".decoupled", "last_microbatch"),
     "metrics": (".decoupled", "metrics"),
     "balance": (".balance", None),
     "nvshmem": (".nvshmem", None),

@@ -22,6 +22,12 @@ parameters, and gradients then accumulate in ``.grad`` as FSDP2's would until
 ``set_gradient_divide_factor`` is honoured; with ``CPUOffloadPolicy`` the shards are
 published from (and the gradients written to) host memory.
 
+With HSDP (a replicate dimension, e.g. one replica a host), ``sync`` all-reduces each gradient
+shard across the replicas. ``odc.last_microbatch(model)`` before a rank's last microbatch of
+the minibatch starts those all-reduces during its backward instead: each parameter group's
+as soon as every rank of the shard group is done with it (owners' accumulators only), so a slow
+cross-host network overlaps the backward as FSDP2's own HSDP all-reduce does.
+
 ``accumulate="local"`` trades memory for speed: each rank adds its reduce-scatter inputs
 into a local fp32 buffer (one unsharded gradient, +4 bytes per parameter) and ``sync``
 reduce-scatters it once over the odc group, instead of atomic adds into the owners'
@@ -56,7 +62,7 @@ from ._arena_sizing import arena_bytes  # noqa: F401 - still importable from her
 # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns there)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["decouple", "sync", "metrics", "DecoupledState"]
+__all__ = ["decouple", "sync", "last_microbatch", "metrics", "DecoupledState"]
 
 log = logging.getLogger("torch_odc_backend.decoupled")
 _range = torch.autograd.profiler.record_function  # named ranges in torch.profiler traces
@@ -206,7 +212,52 @@ class _ReduceScatter:
         else:
             with _range("odc.put_accumulate"), st._fail_on_error():
                 st.arena.accumulate(self.group.index, input_tensor.contiguous())
+                if st.early is not None:
+                    st.early.done_with(self.group.index)
         return None
+
+
+class _EarlyReduction:
+    """One minibatch's cross-replica all-reduces started during the rank's last backward
+    (``odc.last_microbatch``). Every rank issues the all-reduces of the groups in one fixed
+    order (the reverse of their order in the model: backward's order), each once per
+    minibatch, early or at sync, so the replicas' NCCL calls match. A group is issued early
+    once this rank's last backward reduce-scattered it and every group before it in that
+    order was issued; its owner's accumulator is taken (on a side stream) once every rank of
+    the shard group said it is done with the group (at the latest in its sync)."""
+
+    def __init__(self, state: "DecoupledState"):
+        self.state = state
+        self.order = [g.index for g in reversed(state.groups)]
+        self.next = 0  # order[:next] are issued
+        self.done: set[int] = set()
+        self.issued: dict[int, tuple[torch.Tensor, object]] = {}  # group -> (accumulator, work)
+        self.stream = (torch.cuda.ExternalStream(state.arena.side_stream(), device=state.device)
+                       if state.device.type == "cuda" else None)
+
+    def done_with(self, index: int) -> None:
+        st = self.state
+        if index in self.done:
+            st._fail("a backward after the one odc.last_microbatch announced reduce-scattered "
+                     f"parameter group {index} again, whose reduction across replicas has started")
+        self.done.add(index)
+        st.arena.group_done(index, st.epoch)  # on FSDP2's stream, after the accumulate
+        while self.next < len(self.order) and self.order[self.next] in self.done:
+            self._issue(self.order[self.next])
+            self.next += 1
+
+    def _issue(self, index: int) -> None:
+        st = self.state
+        side = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with _range("odc.early_all_reduce"), side:
+            acc = torch.empty(st.groups[index].grad_numel, dtype=torch.float32, device=st.device)
+            st.arena.take_when_done(index, acc, st.epoch)
+            work = dist.all_reduce(acc, group=st.replicate_pg, async_op=True)
+        self.issued[index] = (acc, work)
+
+    def remaining(self) -> list[int]:
+        """The groups sync still has to reduce, in the order every rank issues them."""
+        return self.order[self.next:]
 
 
 class DecoupledState:
@@ -257,9 +308,12 @@ class DecoupledState:
         self.epoch = 1
         self.synced = False
         self.broken = ""
+        self.early: _EarlyReduction | None = None  # odc.last_microbatch in this minibatch
         # observability: wall time working vs waiting in sync, per minibatch and in total
         self._since = time.perf_counter()
-        self.totals = {"busy_s": 0.0, "sync_wait_s": 0.0, "minibatches": 0, "skipped_steps": 0}
+        # early_all_reduces: groups whose cross-replica all-reduce odc.last_microbatch started
+        self.totals = {"busy_s": 0.0, "sync_wait_s": 0.0, "minibatches": 0, "skipped_steps": 0,
+                       "early_all_reduces": 0}
         self.last = {}
         if self.device.type == "cuda":
             _make_room_in_nvshmem_slab(model, accumulate)
@@ -325,8 +379,19 @@ class DecoupledState:
             self.totals["skipped_steps"] += 1
         self.epoch += 1
         self.synced = False
+        self.early = None
         self._publish()
         self._since = time.perf_counter()
+
+    def last_microbatch(self) -> None:
+        """The next backward is this rank's last of the minibatch (see last_microbatch)."""
+        self._check_running("odc.last_microbatch")
+        if self.replicate_pg is None or self.accumulate != "owner":
+            return  # nothing to reduce across replicas, or nothing to take before sync
+        if self.early is not None and self.early.done:
+            self._fail("odc.last_microbatch was called again after the backward it announced")
+        if self.early is None:
+            self.early = _EarlyReduction(self)
 
     def sync(self) -> None:
         self._check_usable()
@@ -353,17 +418,29 @@ class DecoupledState:
             stream.synchronize()
         t0 = time.perf_counter()
         self.arena.finish(self.epoch)
+        # the groups odc.last_microbatch's backward reduced early, and the rest in the order
+        # every rank issues their all-reduces in
+        issued = self.early.issued if self.early else {}
+        todo = self.early.remaining() if self.early else [g.index for g in reversed(self.groups)]
+        self.totals["early_all_reduces"] += len(issued)
         # One group at a time: the gradient temporaries add at most the largest group's size
-        # to peak memory (FSDP2 already holds the zero gradients its reduce-scatters made).
-        for g in self.groups:
-            acc = torch.empty(g.grad_numel, dtype=torch.float32, device=self.device)
-            if self.accumulate == "owner":
-                self.arena.take(g.index, acc)
-            else:  # one reduce-scatter of the local sums (zeros from a rank without backward)
-                _reduce_scatter(acc, g.local_acc, group=self.shard_pg)
-                g.local_acc.zero_()
-            if self.replicate_pg is not None:
-                dist.all_reduce(acc, group=self.replicate_pg)
+        # to peak memory (FSDP2 already holds the zero gradients its reduce-scatters made);
+        # the groups reduced early first wait for their all-reduces.
+        for g in [self.groups[i] for i in [*issued, *todo]]:
+            if g.index in issued:
+                acc, work = issued.pop(g.index)
+                work.wait()  # the current stream waits for the all-reduce on the side stream
+                if self.device.type == "cuda":
+                    acc.record_stream(torch.cuda.current_stream(self.device))
+            else:
+                acc = torch.empty(g.grad_numel, dtype=torch.float32, device=self.device)
+                if self.accumulate == "owner":
+                    self.arena.take(g.index, acc)
+                else:  # one reduce-scatter of the local sums (zeros from a rank without backward)
+                    _reduce_scatter(acc, g.local_acc, group=self.shard_pg)
+                    g.local_acc.zero_()
+                if self.replicate_pg is not None:
+                    dist.all_reduce(acc, group=self.replicate_pg)
             # FSDP2 divides by set_gradient_divide_factor's factor, else by the DP size (the mean)
             acc.div_(g.divide_factor if g.divide_factor is not None else self.dp_size)
             off = 0
@@ -417,6 +494,17 @@ def sync(model: torch.nn.Module) -> None:
     """End a minibatch in decoupled mode (collective): afterwards every sharded parameter's
     ``.grad`` holds the minibatch's gradient, as FSDP2 would have produced it."""
     _require_state(model, "odc.sync").sync()
+
+
+def last_microbatch(model: torch.nn.Module) -> None:
+    """Announce that this rank's next backward is its last of the minibatch (optional; call
+    before that microbatch's forward or backward). With HSDP the cross-replica all-reduce of
+    each parameter group then starts during that backward, once every rank of the shard group
+    is done with the group, on a side stream, instead of in ``sync``. A rank that runs no
+    microbatch, or does not call it, reduces in ``sync`` as before; results are the same. No
+    effect without a replicate dimension or with ``accumulate="local"``. A backward after the
+    announced one raises (its gradients would miss the reductions already started)."""
+    _require_state(model, "odc.last_microbatch").last_microbatch()
 
 
 def metrics(model: torch.nn.Module) -> dict:

@@ -30,7 +30,10 @@ machine). odc then runs one-sided inside a shard group and the replicate all-red
 inner NCCL group, once per minibatch at ``odc.sync``. ``reference_lbmicro`` does what a careful
 HSDP user does: ``set_requires_all_reduce`` only for a rank's last microbatch of the minibatch,
 so the replicate all-reduce runs once per minibatch too; ``reference_arpermicro_lbmicro`` is
-FSDP2's default, an all-reduce after every microbatch. The result's ``cross_host`` gives the
+FSDP2's default, an all-reduce after every microbatch. With ``--hsdp`` every rank runs its
+microbatches smallest first (LB-Micro's steps and LB-Mini's lists, which the planners give
+most expensive first), so that the last backward, which the all-reduce overlaps, is the
+longest; decoupled LB-Mini announces it with ``odc.last_microbatch``. The result's ``cross_host`` gives the
 bytes each rank all-reduces across replicas per minibatch and the time of one such all-reduce
 on the reference's replicate group, timed alone after the runs.
 
@@ -674,6 +677,9 @@ def main() -> int:
                 "lbmini": [balance.lb_mini(d, world, args.max_tokens, cost) for d in docs],
                 # dynamic: planned in the run; this packing prices the perfect-balance bound
                 "dynamic": [balance.pack(d, args.max_tokens, cost) for d in docs]}
+    if args.hsdp > 1:  # each rank's largest microbatch last: its backward hides the cross-replica all-reduce
+        for name in ("lbmicro", "lbmini"):
+            plans_by[name] = [[list(reversed(rank_plan)) for rank_plan in plan] for plan in plans_by[name]]
     plans = {name: plans_by[name.rsplit("_", 1)[1]] for name in names}
     if rank == 0:
         n_tokens = sum(map(sum, docs))

@@ -248,9 +248,15 @@ class _EarlyReduction:
 
     def _issue(self, index: int) -> None:
         st = self.state
-        side = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        # allocated on the issuing stream (FSDP2's reduce-scatter stream, whose freed input
+        # buffers it may reuse), used on the side stream after everything issued before it
+        acc = torch.empty(st.groups[index].grad_numel, dtype=torch.float32, device=st.device)
+        side = contextlib.nullcontext()
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(st.device))
+            acc.record_stream(self.stream)
+            side = torch.cuda.stream(self.stream)
         with _range("odc.early_all_reduce"), side:
-            acc = torch.empty(st.groups[index].grad_numel, dtype=torch.float32, device=st.device)
             st.arena.take_when_done(index, acc, st.epoch)
             work = dist.all_reduce(acc, group=st.replicate_pg, async_op=True)
         self.issued[index] = (acc, work)

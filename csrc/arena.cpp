@@ -58,7 +58,7 @@ void Arena::accumulate(int group, const void* in, DType dtype) {
   }
 }
 
-void Arena::finish(uint64_t epoch, uint64_t op_seq) {
+void Arena::finish(uint64_t epoch, uint64_t op_seq, bool groups_too) {
   std::vector<uint64_t*> at_owners;
   std::vector<const uint64_t*> mine;
   std::vector<int> peers;
@@ -69,7 +69,7 @@ void Arena::finish(uint64_t epoch, uint64_t op_seq) {
   }
   // after every accumulate issued before it; first the groups' counters, which early takes
   // of groups this rank did not say it was done with wait for
-  t_->signal(0, group_flags_at_owners(0, static_cast<int>(layout_.numel.size())), epoch);
+  if (groups_too) t_->signal(0, group_flags_at_owners(0, static_cast<int>(layout_.numel.size())), epoch);
   t_->signal(0, at_owners, epoch);
   t_->wait(0, mine, peers, epoch, {"decoupled sync", "the gradient contributions of", op_seq});
 }

@@ -16,8 +16,8 @@ namespace odc {
 // finish() is the minibatch's one synchronisation; take() then reads and clears this
 // rank's accumulator; publish() + announce() make the next epoch's shards readable.
 // Before finish, a rank done with a group for the epoch may say so (group_done(); finish
-// says it for every group), and take_when_done() takes this rank's accumulator of a group
-// once every rank said so: the group's cross-replica reduction can start early.
+// with groups_too says it for every group), and take_when_done() takes this rank's
+// accumulator of a group once every rank said so: its cross-replica reduction can start early.
 // Group indices are validated by the caller (decoupled.cpp).
 class Arena {
  public:
@@ -28,7 +28,7 @@ class Arena {
   void announce(uint64_t epoch);
   void get(int group, void* out, uint64_t epoch, uint64_t op_seq);  // out: world shards
   void accumulate(int group, const void* in, DType dtype);          // in: world shards
-  void finish(uint64_t epoch, uint64_t op_seq);
+  void finish(uint64_t epoch, uint64_t op_seq, bool groups_too);
   void take(int group, float* out);
   void group_done(int group, uint64_t epoch);
   void take_when_done(int group, float* out, uint64_t epoch, uint64_t op_seq);

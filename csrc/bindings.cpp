@@ -170,7 +170,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("accumulate", &A::accumulate, py::arg("group"), py::arg("input"),
            py::call_guard<py::gil_scoped_release>())
-      .def("finish", &A::finish, py::arg("epoch"), py::call_guard<py::gil_scoped_release>(),
+      .def("finish", &A::finish, py::arg("epoch"), py::arg("groups_too") = false,
+           py::call_guard<py::gil_scoped_release>(),
            "The minibatch's synchronisation (collective).")
       .def("take", &A::take, py::arg("group"), py::arg("out"),
            py::call_guard<py::gil_scoped_release>())

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -34,15 +35,17 @@ std::vector<uint8_t> this_host() {
   return std::vector<uint8_t>(host, host + std::strlen(host));
 }
 
-// Each rank's host: its host name, and with ODC_HOST_SIZE its block of global ranks too
-// (emulated hosts on one machine share a name). Ranks with different labels are on
-// different hosts.
-std::vector<std::string> host_labels(const Options& o, const std::vector<std::string>& names) {
+// Every rank's host, as each rank labels its own: its host name, and with ODC_HOST_SIZE its
+// block of global ranks too (emulated hosts on one machine share a name). Ranks with
+// different labels are on different hosts; every rank sees the same labels (collective).
+std::vector<std::string> host_labels(const TransportArgs& a, const Options& o) {
+  const std::vector<uint8_t> name = this_host();
+  std::string mine(name.begin(), name.end());
+  const int64_t g = o.global_ranks_in_group.empty() ? a.rank : o.global_ranks_in_group[a.rank];
+  if (o.host_size > 0) mine += cat(" #", g / o.host_size);
   std::vector<std::string> labels;
-  for (size_t r = 0; r < names.size(); ++r) {
-    const int64_t g = o.global_ranks_in_group.empty() ? static_cast<int64_t>(r)
-                                                      : o.global_ranks_in_group[r];
-    labels.push_back(o.host_size > 0 ? cat(names[r], " #", g / o.host_size) : names[r]);
+  for (const auto& l : exchange_blobs(a, "host", std::vector<uint8_t>(mine.begin(), mine.end()))) {
+    labels.emplace_back(l.begin(), l.end());
   }
   return labels;
 }
@@ -68,15 +71,19 @@ std::string describe_hosts(const std::vector<std::string>& labels) {
   return out;
 }
 
-// Marks the channel as spanning hosts odc does not connect when some rank not `reached` is on
-// another host than this one: its collectives then go to the inner backend.
-bool spans_hosts(Channel& ch, int rank, const std::vector<std::string>& labels,
-                 const std::vector<bool>& reached, std::string why) {
-  for (size_t r = 0; r < labels.size(); ++r) {
-    if (!reached[r] && labels[r] != labels[rank]) {
-      ch.hosts = describe_hosts(labels);
-      ch.hosts_why = std::move(why);
-      return true;
+// Marks the channel as spanning hosts odc does not connect when some two ranks that `routed`
+// does not connect otherwise are on different hosts: its collectives then go to the inner
+// backend. Decided over every pair, so that every rank decides alike.
+bool spans_hosts(Channel& ch, const std::vector<std::string>& labels,
+                 const std::function<bool(int, int)>& routed, std::string why) {
+  const int n = static_cast<int>(labels.size());
+  for (int r = 0; r < n; ++r) {
+    for (int q = 0; q < r; ++q) {
+      if (labels[q] != labels[r] && !routed(q, r)) {
+        ch.hosts = describe_hosts(labels);
+        ch.hosts_why = std::move(why);
+        return true;
+      }
     }
   }
   return false;
@@ -103,13 +110,6 @@ std::vector<std::vector<uint8_t>> gpu_places(const TransportArgs& a, int device)
   mine.push_back('/');
   mine.insert(mine.end(), prop.uuid.bytes, prop.uuid.bytes + sizeof(prop.uuid.bytes));
   return exchange_blobs(a, "device", mine);
-}
-
-// The host name of a place: its bytes before '/' and the 16 bytes of the UUID (which may
-// themselves hold a '/').
-std::string host_of(const std::vector<uint8_t>& place) {
-  constexpr size_t kTail = 1 + sizeof(cudaUUID_t::bytes);
-  return std::string(place.begin(), place.end() - std::min(place.size(), kTail));
 }
 
 // Whether another rank of the group uses this GPU (host name and device UUID compared):
@@ -149,9 +149,8 @@ Channel make_channel(const c10::Device& device, const Options& options,
       // CUDA IPC reaches only this host's GPUs: a peer on another host (by name, or by
       // ODC_HOST_SIZE) that NVSHMEM does not route leaves the group to the inner NCCL group.
       const auto places = gpu_places(a, device.index());
-      std::vector<std::string> names;
-      for (const auto& p : places) names.push_back(host_of(p));
-      if (spans_hosts(ch, rank, host_labels(o, names), routed,
+      if (spans_hosts(ch, host_labels(a, o),
+                      [&](int q, int r) { return o.routes_peer(pes[q], pes[r]); },
                       o.transport == TransportKind::CudaIpc
                           ? "ODC_TRANSPORT=ipc keeps odc's CUDA transport inside a host"
                           : (kBuiltWithNvshmem ? "ODC_HOST_SIZE does not split the hosts where their names do"
@@ -199,9 +198,7 @@ Channel make_channel(const c10::Device& device, const Options& options,
                         " (odc moves CPU and CUDA tensors)");
       // Shared memory reaches only this host's processes: a group with ranks on several
       // hosts (by name, or by ODC_HOST_SIZE) leaves its CPU tensors to the inner gloo group.
-      std::vector<std::string> names;
-      for (const auto& h : exchange_blobs(a, "host", this_host())) names.emplace_back(h.begin(), h.end());
-      if (spans_hosts(ch, rank, host_labels(options, names), std::vector<bool>(size, false),
+      if (spans_hosts(ch, host_labels(a, options), [](int, int) { return false; },
                       "odc moves CPU tensors through one host's shared memory only")) {
         return ch;
       }

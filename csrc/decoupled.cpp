@@ -161,10 +161,11 @@ void DecoupledArena::accumulate(int64_t group, const at::Tensor& in) {
   });
 }
 
-void DecoupledArena::finish(int64_t epoch) {
+void DecoupledArena::finish(int64_t epoch, bool groups_too) {
   call([&] {
     const uint64_t seq = ++backend_->seq_;
-    op(Transport::kArenaSyncRing, [&] { arena_->finish(static_cast<uint64_t>(epoch), seq); });
+    op(Transport::kArenaSyncRing,
+       [&] { arena_->finish(static_cast<uint64_t>(epoch), seq, groups_too); });
     backend_->count(Stat::DecoupledSyncs, 1);
   });
 }
@@ -195,7 +196,9 @@ void DecoupledArena::take_when_done(int64_t group, const at::Tensor& out, int64_
               "odc: decoupled sync: accumulators are float32");
     check_arena_tensor(out, device_, arena_->layout().grad_numel[group] * sizeof(float), "sync");
     const uint64_t seq = ++backend_->seq_;
-    op(Transport::kArenaSyncRing, [&] {
+    // its own ring: the caller orders it after its accumulates (the side stream waits for
+    // the issuing one), and the minibatch's sync after it (through the all-reduce's Work)
+    op(Transport::kArenaEarlyRing, [&] {
       arena_->take_when_done(static_cast<int>(group), out.data_ptr<float>(),
                              static_cast<uint64_t>(epoch), seq);
     });

@@ -32,11 +32,12 @@ class DecoupledArena {
   void announce(int64_t epoch);
   void get(int64_t group, const at::Tensor& out, int64_t epoch);
   void accumulate(int64_t group, const at::Tensor& in);
-  void finish(int64_t epoch);
+  // groups_too: also say this rank is done with every group (where early takes may wait)
+  void finish(int64_t epoch, bool groups_too = false);
   void take(int64_t group, const at::Tensor& out);
   // Early reduction: this rank put everything of `group` for `epoch` (on the current stream,
-  // after its accumulates); take `group`'s accumulator once every rank did (the current
-  // stream waits for them, not the host).
+  // after its accumulates); take `group`'s accumulator once every rank did (on CUDA the
+  // current stream waits for them, not the host; on CPU the calling thread waits).
   void group_done(int64_t group, int64_t epoch);
   void take_when_done(int64_t group, const at::Tensor& out, int64_t epoch);
   // CUDA: a stream of the arena's own for the early reductions, made at the first call (a

@@ -82,7 +82,10 @@ class Transport {
   // transport forks its peer lanes from the operation's stream and joins them back
   // at the end, and orders the operation after the previous one on the same ring
   // when that ran on another stream (counters assume each ring's chunks in order).
-  enum Ring : int { kAgRing = 0, kRsRing, kArenaGetRing, kArenaPutRing, kArenaSyncRing, kNumRings };
+  // kArenaEarlyRing: decoupled mode's early takes, on an arena's side stream; apart from the
+  // sync ring, so that no arena's sync waits for another arena's peers.
+  enum Ring : int { kAgRing = 0, kRsRing, kArenaGetRing, kArenaPutRing, kArenaSyncRing,
+                    kArenaEarlyRing, kNumRings };
   virtual void begin_op(void* stream, Ring ring) {}
   virtual void end_op() {}
   // A device transport: an event (a cudaEvent_t, shared) that completes with the work issued

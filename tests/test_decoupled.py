@@ -290,9 +290,12 @@ def test_decoupled_equals_exact(run, device, world, name):
     bf16 = (CONFIGS[world] if device == "cpu" else GPU_CONFIGS)[name].get("bf16", False)
     errors = [f"rank {r}:\n{res[r][name]['error']}" for r in sorted(res) if "error" in res[r][name]]
     assert not errors, "\n".join(errors)
+    configs = CONFIGS[world] if device == "cpu" else GPU_CONFIGS
     for rank in sorted(res):
         cfg = res[rank][name]
         assert_grads_match(cfg, TOL[bf16], rank)
+        if configs[name].get("last_hint"):  # every rank ran microbatches in some step
+            assert cfg["decoupled"]["metrics"]["early_all_reduces"] > 0, cfg["decoupled"]["metrics"]
         if device == "cuda":  # there the gradients after every sync are checked
             continue
         exact, dec = cfg["exact"], cfg["decoupled"]
@@ -324,6 +327,17 @@ def test_misuse_is_reported(run, case, pattern):
         assert "error" not in m, f"rank {rank}:\n{m.get('error')}"
         assert m[case] is not None, f"rank {rank}: {case} raised nothing"
         assert pattern in m[case], f"rank {rank}: {case}: {m[case]}"
+
+
+def test_early_reduction_order_is_backwards_and_skips_frozen_groups():
+    """odc.last_microbatch's all-reduce order, the same on every rank: a group FSDP2 never
+    reduce-scatters (nothing trainable) would otherwise hold back every group after it."""
+    from types import SimpleNamespace
+
+    from torch_odc_backend.decoupled import reduction_order
+
+    groups = [SimpleNamespace(index=i, grad_numel=n) for i, n in enumerate([5, 0, 3, 7])]
+    assert reduction_order(groups) == [3, 2, 0]
 
 
 def test_decouple_refuses_a_non_odc_mesh():

@@ -210,11 +210,20 @@ class _ReduceScatter:
                 if g.local_event is not None:
                     g.local_event.record()
         else:
+            if st.early is not None:
+                st.early.check_not_done(self.group.index)
             with _range("odc.put_accumulate"), st._fail_on_error():
                 st.arena.accumulate(self.group.index, input_tensor.contiguous())
                 if st.early is not None:
                     st.early.done_with(self.group.index)
         return None
+
+
+def reduction_order(groups: list) -> list[int]:
+    """The order every rank all-reduces the groups' gradients across replicas in: backward's,
+    the reverse of the model's, leaving out groups without trainable parameters (FSDP2 never
+    reduce-scatters those)."""
+    return [g.index for g in reversed(groups) if g.grad_numel > 0]
 
 
 class _EarlyReduction:
@@ -228,18 +237,21 @@ class _EarlyReduction:
 
     def __init__(self, state: "DecoupledState"):
         self.state = state
-        self.order = [g.index for g in reversed(state.groups)]
+        self.order = reduction_order(state.groups)
         self.next = 0  # order[:next] are issued
         self.done: set[int] = set()
         self.issued: dict[int, tuple[torch.Tensor, object]] = {}  # group -> (accumulator, work)
         self.stream = (torch.cuda.ExternalStream(state.arena.side_stream(), device=state.device)
                        if state.device.type == "cuda" else None)
 
+    def check_not_done(self, index: int) -> None:
+        """Before a reduce-scatter adds anything: none after the announced backward's."""
+        if index in self.done:
+            self.state._fail("a backward after the one odc.last_microbatch announced reduce-scattered "
+                             f"parameter group {index} again, whose reduction across replicas has started")
+
     def done_with(self, index: int) -> None:
         st = self.state
-        if index in self.done:
-            st._fail("a backward after the one odc.last_microbatch announced reduce-scattered "
-                     f"parameter group {index} again, whose reduction across replicas has started")
         self.done.add(index)
         st.arena.group_done(index, st.epoch)  # on FSDP2's stream, after the accumulate
         while self.next < len(self.order) and self.order[self.next] in self.done:
@@ -423,19 +435,22 @@ class DecoupledState:
                     stream.wait_event(g.local_event)  # a no-op before the first record
             stream.synchronize()
         t0 = time.perf_counter()
-        self.arena.finish(self.epoch)
+        # with HSDP in owner mode peers may take accumulators early: say this rank is done
+        # with every group (those its announced backward did not reach included)
+        self.arena.finish(self.epoch, self.replicate_pg is not None and self.accumulate == "owner")
         # the groups odc.last_microbatch's backward reduced early, and the rest in the order
         # every rank issues their all-reduces in
         issued = self.early.issued if self.early else {}
-        todo = self.early.remaining() if self.early else [g.index for g in reversed(self.groups)]
+        todo = self.early.remaining() if self.early else reduction_order(self.groups)
         self.totals["early_all_reduces"] += len(issued)
         # One group at a time: the gradient temporaries add at most the largest group's size
         # to peak memory (FSDP2 already holds the zero gradients its reduce-scatters made);
-        # the groups reduced early first wait for their all-reduces.
+        # the groups reduced early hold theirs since the last backward and first wait for
+        # their all-reduces.
         for g in [self.groups[i] for i in [*issued, *todo]]:
             if g.index in issued:
                 acc, work = issued.pop(g.index)
-                work.wait()  # the current stream waits for the all-reduce on the side stream
+                work.wait()  # the current stream waits for the all-reduce (NCCL's stream)
                 if self.device.type == "cuda":
                     acc.record_stream(torch.cuda.current_stream(self.device))
             else:

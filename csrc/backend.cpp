@@ -673,8 +673,9 @@ std::string OdcBackend::hosts(const c10::Device& device) {
 }
 
 namespace {
-c10::Device first_device(const std::vector<at::Tensor>& ts) {
-  return !ts.empty() && ts[0].defined() ? ts[0].device() : c10::Device(c10::kCPU);
+c10::Device device_of(const std::vector<at::Tensor>& ts) {
+  ODC_CHECK(!ts.empty() && ts[0].defined(), ValueError, "odc: collective called with no tensors");
+  return ts[0].device();
 }
 }  // namespace
 
@@ -688,7 +689,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::_allgather_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (auto b = across_hosts(first_device(inputs))) {
+  if (auto b = across_hosts(device_of(inputs))) {
     return b->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
   return run(Kind::AllGather, outputs, inputs, opts.asyncOp, nullptr,
@@ -715,7 +716,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter_tensor_coalesced(
     return inner(inputs.empty() ? c10::kCPU : inputs[0].device().type())
         ->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
-  if (auto b = across_hosts(first_device(inputs))) {
+  if (auto b = across_hosts(device_of(inputs))) {
     return b->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
   return run(Kind::ReduceScatter, outputs, inputs, opts.asyncOp, &opts.reduceOp,
@@ -755,12 +756,6 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
     ODC_DELEGATE(dev_.type(), call);             \
   } while (0)
 
-namespace {
-c10::Device device_of(const std::vector<at::Tensor>& ts) {
-  ODC_CHECK(!ts.empty() && ts[0].defined(), ValueError, "odc: collective called with no tensors");
-  return ts[0].device();
-}
-}  // namespace
 
 c10::intrusive_ptr<c10d::Work> OdcBackend::broadcast(std::vector<at::Tensor>& t,
                                                      const c10d::BroadcastOptions& o) {

@@ -308,6 +308,8 @@ class DecoupledState:
         self.replicate_pg = self.mesh.get_group(0) if self.mesh.ndim == 2 else None
         if self.replicate_pg is not None and self.replicate_pg.size() == 1:
             self.replicate_pg = None  # nothing to all-reduce
+        # odc.last_microbatch can start the replicate all-reduces early (owners' accumulators)
+        self.reduces_early = self.replicate_pg is not None and accumulate == "owner"
         backend = self.shard_pg._get_backend(self.device)
         if not isinstance(backend, OdcBackend):
             raise ValueError(f"odc.decouple: the model's mesh moves {self.device.type} tensors with "
@@ -404,7 +406,7 @@ class DecoupledState:
     def last_microbatch(self) -> None:
         """The next backward is this rank's last of the minibatch (see last_microbatch)."""
         self._check_running("odc.last_microbatch")
-        if self.replicate_pg is None or self.accumulate != "owner":
+        if not self.reduces_early:
             return  # nothing to reduce across replicas, or nothing to take before sync
         if self.early is not None and self.early.done:
             self._fail("odc.last_microbatch was called again after the backward it announced")
@@ -437,7 +439,7 @@ class DecoupledState:
         t0 = time.perf_counter()
         # with HSDP in owner mode peers may take accumulators early: say this rank is done
         # with every group (those its announced backward did not reach included)
-        self.arena.finish(self.epoch, self.replicate_pg is not None and self.accumulate == "owner")
+        self.arena.finish(self.epoch, self.reduces_early)
         # the groups odc.last_microbatch's backward reduced early, and the rest in the order
         # every rank issues their all-reduces in
         issued = self.early.issued if self.early else {}

@@ -33,7 +33,8 @@ so the replicate all-reduce runs once per minibatch too; ``reference_arpermicro_
 FSDP2's default, an all-reduce after every microbatch. With ``--hsdp`` every rank runs its
 microbatches smallest first (LB-Micro's steps and LB-Mini's lists, which the planners give
 most expensive first), so that the last backward, which the all-reduce overlaps, is the
-longest; decoupled LB-Mini announces it with ``odc.last_microbatch``. The result's ``cross_host`` gives the
+longest; decoupled LB-Mini announces it with ``odc.last_microbatch``, and dynamic balancing
+where a rank's take left nothing to take (``MinibatchClaims.exhausted``). The result's ``cross_host`` gives the
 bytes each rank all-reduces across replicas per minibatch and the time of one such all-reduce
 on the reference's replicate group, timed alone after the runs.
 
@@ -311,6 +312,8 @@ def train_steps(model, opt, plans, docs, args, decoupled, device, cpu_group, fir
             x, y = microbatch(step, mb or [-1], docs_mb, args.vocab, device)
             m0 = clock.mark()
             loss = model(x, y, docs_mb) * (weight / tokens)
+            if decoupled and balancer is not None and args.hsdp > 1 and mine.exhausted():
+                odc.last_microbatch(model)  # nothing left to take: this backward is the rank's last
             loss.backward()
             if straggler is not None:
                 straggler.after_microbatch(docs_mb, h0)

@@ -42,19 +42,23 @@ def _exactly_once(rank, world):
     rng = random.Random(100 + rank)
     first, second = balance.DynamicBalancer(), balance.DynamicBalancer(adapt=False)
     names = (first.name, second.name)
-    taken = {0: [], 1: []}
+    taken, exhausted = {0: [], 1: []}, {0: [], 1: []}
     for r in range(ROUNDS):
         for which, b in enumerate((first, second)):
             n = COUNTS[(r + which) % len(COUNTS)]
             lengths = [random.Random(1000 * r + j).randint(1, 30) for j in range(n)]
-            got = []
-            for mb in b.minibatch(lengths, max_tokens=40, cost=COST):
+            got, flags = [], []
+            claims = b.minibatch(lengths, max_tokens=40, cost=COST)
+            for mb in claims:
+                flags.append(claims.exhausted())  # nothing left: mb is this rank's last
                 time.sleep(0.0002 * COST([lengths[i] for i in mb]) * (3 if rank == 0 else 1)
                            * rng.uniform(0.8, 1.2))
                 got.append(mb)
             taken[which].append(got)
+            exhausted[which].append(flags)
         dist.barrier()  # the one synchronisation per round (odc.sync in decoupled mode)
-    return {"taken": taken, "names": names, "slowdowns": [h["slowdowns"] for h in first.history]}
+    return {"taken": taken, "exhausted": exhausted, "names": names,
+            "slowdowns": [h["slowdowns"] for h in first.history]}
 
 
 def _sampler_worker(rank, world):
@@ -211,6 +215,11 @@ def test_every_microbatch_is_claimed_exactly_once_and_a_slow_rank_takes_less(run
             n = COUNTS[(r + which) % len(COUNTS)]
             got = sorted(i for rank in once for mb in once[rank]["taken"][which][r] for i in mb)
             assert got == list(range(n)), (which, r, got)
+            # exhausted(): only ever after a rank's last take, and true for the rank that took
+            # the round's last item
+            flags = {rank: once[rank]["exhausted"][which][r] for rank in once}
+            assert all(not any(f[:-1]) for f in flags.values()), (which, r, flags)
+            assert n == 0 or any(f and f[-1] for f in flags.values()), (which, r, flags)
     # the rank that is 3x slower takes less than an even share over all rounds (not necessarily
     # less than each other rank: on 2 cores another of 3 ranks can lose as much time to the OS)
     work = {rank: sum(len(mb) for w in (0, 1) for t in once[rank]["taken"][w] for mb in t) for rank in once}

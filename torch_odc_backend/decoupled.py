@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 
 import torch
@@ -192,6 +193,14 @@ class _ReduceScatter:
         self.group = group
 
     def allocate(self, size, *, dtype, device):
+        g = self.group
+        if g.state.mesh.ndim == 2 and math.prod(size) == g.grad_numel:
+            # HSDP: FSDP2 keeps the output of a backward that does not all-reduce
+            # (set_requires_all_reduce(False)) as a partial sum for a later all-reduce,
+            # which decoupled mode never runs (sync writes the gradients). An empty tensor
+            # stands in: a full one would hold a gradient's worth of zeros for the whole run
+            # (torch 2.11 never frees it), and any use of it as a gradient fails loudly.
+            return torch.empty(0, dtype=dtype, device=device)
         return torch.zeros(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
@@ -273,9 +282,13 @@ class _EarlyReduction:
             work = dist.all_reduce(acc, group=st.replicate_pg, async_op=True)
         self.issued[index] = (acc, work)
 
-    def remaining(self) -> list[int]:
-        """The groups sync still has to reduce, in the order every rank issues them."""
-        return self.order[self.next:]
+    def issue_rest(self) -> None:
+        """In sync, after this rank's finish: issue the groups not issued yet, in order, each
+        taken once every rank of the shard group is done with it, so that one rank's
+        all-reduces overlap the backward of a shard peer that announced its last microbatch."""
+        while self.next < len(self.order):
+            self._issue(self.order[self.next])
+            self.next += 1
 
 
 class DecoupledState:
@@ -440,15 +453,19 @@ class DecoupledState:
         # with HSDP in owner mode peers may take accumulators early: say this rank is done
         # with every group (those its announced backward did not reach included)
         self.arena.finish(self.epoch, self.reduces_early)
-        # the groups odc.last_microbatch's backward reduced early, and the rest in the order
-        # every rank issues their all-reduces in
-        issued = self.early.issued if self.early else {}
-        todo = self.early.remaining() if self.early else reduction_order(self.groups)
-        self.totals["early_all_reduces"] += len(issued)
-        # One group at a time: the gradient temporaries add at most the largest group's size
-        # to peak memory (FSDP2 already holds the zero gradients its reduce-scatters made);
-        # the groups reduced early hold theirs since the last backward and first wait for
-        # their all-reduces.
+        issued, todo = {}, reduction_order(self.groups)
+        if self.reduces_early:
+            # HSDP in owner mode: the groups odc.last_microbatch's backward reduced early, then
+            # the rest, issued now in the order every rank issues them; each is taken (on the
+            # side stream) once the shard group is done with it, so the cross-replica
+            # all-reduces need not wait for the slowest shard peer's whole backward
+            early = self.early if self.early is not None else _EarlyReduction(self)
+            self.totals["early_all_reduces"] += len(early.issued)
+            early.issue_rest()
+            issued, todo = early.issued, []
+        # Otherwise one group at a time: the gradient temporaries add at most the largest
+        # group's size to peak memory (in 1-D FSDP, FSDP2 already holds the zero gradients
+        # its reduce-scatters made, and the sums are added into them).
         for g in [self.groups[i] for i in [*issued, *todo]]:
             if g.index in issued:
                 acc, work = issued.pop(g.index)

@@ -282,6 +282,19 @@ class MinibatchClaims:
             back = self._take(f"back{victim}", 1)
             return list(self._items[victim][len(self._items[victim]) - 1 - back])
 
+    def exhausted(self) -> bool:
+        """Whether every queue's items are taken (each queue asked once more at most): then
+        the microbatch this rank took last is its last of the minibatch, and with HSDP
+        ``odc.last_microbatch(model)`` before its backward starts the cross-replica
+        all-reduces there. False while an item is left, even one another rank will take."""
+        for v in range(self._balancer.world_size):
+            if v in self._empty:
+                continue
+            if len(self._items[v]) - self._take(f"taken{v}", 0) > 0:
+                return False
+            self._empty.add(v)  # counters only grow: it stays empty
+        return True
+
     def __next__(self) -> list[int]:
         if self._done:
             raise StopIteration

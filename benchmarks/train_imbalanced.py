@@ -620,7 +620,9 @@ def main() -> int:
     args.mean_len = args.mean_len or (16500 if gpu_scale else 200)
     args.max_tokens = args.max_tokens or (65536 if gpu_scale else 768)
     # 4 documents per rank on average: the 2-GPU runs with 8 per rank left LB-Micro little to lose
-    args.docs_per_step = args.docs_per_step or (4 * world if gpu_scale else 10)
+    default_docs = 4 * world if gpu_scale else 10
+    docs_label = f"-docs{args.docs_per_step}" if args.docs_per_step not in (None, default_docs) else ""
+    args.docs_per_step = args.docs_per_step or default_docs
 
     if model_kind == "small":
         shape = dict(hidden_size=128, num_hidden_layers=args.layers or 4, num_attention_heads=4,
@@ -827,6 +829,7 @@ def main() -> int:
         kind = _meta.machine_kind(device, world)
         if args.hsdp > 1:  # emulated or real hosts: one replica a host (ODC_HOST_SIZE says so)
             kind += f"-{args.hsdp}hosts" if os.environ.get("ODC_HOST_SIZE") else f"-hsdp{args.hsdp}"
+        kind += docs_label  # another minibatch size than the default: its own result file
         suffix = ("_balanced" if args.balanced else "") + ("_straggler" if args.straggler else "")
         out = _meta.result_path(args.out_dir, "train_imbalanced", kind, suffix)
         out.write_text(json.dumps({

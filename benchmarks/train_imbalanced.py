@@ -22,6 +22,9 @@ documents, from the same initial weights:
   starts from LB-Mini weighted by the ranks' measured speeds, and a rank whose GPU is
   (nearly) free takes its next microbatch, or, its own queue empty, an item from the back of
   another rank's (fetch-adds on the group's store); one ``odc.sync`` per minibatch.
+* ``decoupled_adaptive``: the same plans (LB-Mini weighted by the ranks' measured speeds), each
+  rank keeping to its own share (``take_from_others=False``); with ``--hsdp`` its largest
+  microbatch last, announced with ``odc.last_microbatch``.
 
 ``--hsdp R`` shards inside groups of world / R consecutive ranks and replicates across R of
 them (FSDP2 HSDP; on several hosts, R = the hosts: ``torchrun ... -m
@@ -577,7 +580,7 @@ def main() -> int:
     p.add_argument("--configs", default="reference_lbmicro,exact_lbmicro,decoupled_lbmini,decoupled_dynamic",
                    help="comma-separated, from reference_lbmicro, reference_arpermicro_lbmicro (--hsdp: "
                         "the replicate all-reduce after every microbatch), exact_lbmicro, exact_registered_lbmicro, "
-                        "decoupled_lbmini, decoupled_dynamic, decoupled_local_lbmini "
+                        "decoupled_lbmini, decoupled_dynamic, decoupled_adaptive, decoupled_local_lbmini "
                         "(odc.decouple(..., accumulate='local'))")
     p.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
                    help="rank RANK runs every microbatch FACTOR times as long (e.g. 1:1.3)")
@@ -682,6 +685,7 @@ def main() -> int:
                 "lbmini": [balance.lb_mini(d, world, args.max_tokens, cost) for d in docs],
                 # dynamic: planned in the run; this packing prices the perfect-balance bound
                 "dynamic": [balance.pack(d, args.max_tokens, cost) for d in docs]}
+    plans_by["adaptive"] = plans_by["dynamic"]  # planned in the run too
     if args.hsdp > 1:  # each rank's largest microbatch last: its backward hides the cross-replica all-reduce
         for name in ("lbmicro", "lbmini"):
             plans_by[name] = [[list(reversed(rank_plan)) for rank_plan in plan] for plan in plans_by[name]]
@@ -720,7 +724,11 @@ def main() -> int:
             odc.use_registered_memory(model)
         if decoupled:
             odc.decouple(model, opt, accumulate="local" if "_local" in name else "owner")
-        balancer = balance.DynamicBalancer(name=name) if name.endswith("_dynamic") else None
+        balancer = None
+        if name.endswith("_dynamic"):
+            balancer = balance.DynamicBalancer(name=name)
+        elif name.endswith("_adaptive"):  # each rank to its own queue; with HSDP its largest last
+            balancer = balance.DynamicBalancer(name=name, take_from_others=False, largest_last=args.hsdp > 1)
         plan = plans[name]
         run = dict(balancer=balancer, straggler=straggler, cost=cost,
                    hsdp_once=args.hsdp > 1 and name == "reference_lbmicro")

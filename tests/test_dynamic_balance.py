@@ -37,18 +37,27 @@ GPU_ROUNDS = 8
 WORLDS = [("cpu", 2), ("cpu", 3), cuda_case("cuda", GPU_N, id=f"cuda-{GPU_N}")]
 
 
+def lengths_of(r: int, which: int) -> list[int]:
+    """Round r's sample lengths for balancer `which` of _exactly_once."""
+    n = COUNTS[(r + which) % len(COUNTS)]
+    return [random.Random(1000 * r + j).randint(1, 30) for j in range(n)]
+
+
 def _exactly_once(rank, world):
-    """Two balancers used alternately; rank 0 sleeps 3x longer per unit of cost."""
+    """Three balancers used in turn; rank 0 sleeps 3x longer per unit of cost."""
     rng = random.Random(100 + rank)
     first, second = balance.DynamicBalancer(), balance.DynamicBalancer(adapt=False)
-    names = (first.name, second.name)
-    taken, exhausted = {0: [], 1: []}, {0: [], 1: []}
+    # each rank to its own queue (weighted by speeds), largest microbatch last
+    own = balance.DynamicBalancer(take_from_others=False, largest_last=True)
+    names = (first.name, second.name, own.name)
+    taken, exhausted, plans = {0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}, []
     for r in range(ROUNDS):
-        for which, b in enumerate((first, second)):
-            n = COUNTS[(r + which) % len(COUNTS)]
-            lengths = [random.Random(1000 * r + j).randint(1, 30) for j in range(n)]
+        for which, b in enumerate((first, second, own)):
+            lengths = lengths_of(r, which)
             got, flags = [], []
             claims = b.minibatch(lengths, max_tokens=40, cost=COST)
+            if b is own:
+                plans.append(claims.plan)
             for mb in claims:
                 flags.append(claims.exhausted())  # nothing left: mb is this rank's last
                 time.sleep(0.0002 * COST([lengths[i] for i in mb]) * (3 if rank == 0 else 1)
@@ -57,8 +66,9 @@ def _exactly_once(rank, world):
             taken[which].append(got)
             exhausted[which].append(flags)
         dist.barrier()  # the one synchronisation per round (odc.sync in decoupled mode)
-    return {"taken": taken, "exhausted": exhausted, "names": names,
-            "slowdowns": [h["slowdowns"] for h in first.history]}
+    return {"taken": taken, "exhausted": exhausted, "names": names, "own_plans": plans,
+            "slowdowns": [h["slowdowns"] for h in first.history],
+            "own_slowdowns": [h["slowdowns"] for h in own.history]}
 
 
 def _sampler_worker(rank, world):
@@ -210,7 +220,7 @@ def test_every_microbatch_is_claimed_exactly_once_and_a_slow_rank_takes_less(run
     assert "error" not in res, res.get("error")
     once = res["once"]
     assert len({tuple(once[r]["names"]) for r in once}) == 1, "balancers named differently on ranks"
-    for which in (0, 1):
+    for which in (0, 1, 2):
         for r in range(ROUNDS):
             n = COUNTS[(r + which) % len(COUNTS)]
             got = sorted(i for rank in once for mb in once[rank]["taken"][which][r] for i in mb)
@@ -220,6 +230,17 @@ def test_every_microbatch_is_claimed_exactly_once_and_a_slow_rank_takes_less(run
             flags = {rank: once[rank]["exhausted"][which][r] for rank in once}
             assert all(not any(f[:-1]) for f in flags.values()), (which, r, flags)
             assert n == 0 or any(f and f[-1] for f in flags.values()), (which, r, flags)
+    # take_from_others=False: each rank trains exactly its plan's share, cheapest microbatch
+    # first, and knows its last one when it takes it
+    for r in range(ROUNDS):
+        for rank in once:
+            plan = once[rank]["own_plans"][r][rank]
+            got = once[rank]["taken"][2][r]
+            assert got == plan, (r, rank, got, plan)
+            costs = [COST([lengths_of(r, 2)[i] for i in mb]) for mb in plan]
+            assert costs == sorted(costs), (r, rank, costs)
+            assert once[rank]["exhausted"][2][r] == [False] * (len(got) - 1) + [True] * bool(got)
+    assert max(s[0] for s in once[0]["own_slowdowns"][3:]) > 1.5, once[0]["own_slowdowns"]
     # the rank that is 3x slower takes less than an even share over all rounds (not necessarily
     # less than each other rank: on 2 cores another of 3 ranks can lose as much time to the OS)
     work = {rank: sum(len(mb) for w in (0, 1) for t in once[rank]["taken"][w] for mb in t) for rank in once}

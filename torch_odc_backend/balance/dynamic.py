@@ -55,6 +55,11 @@ class DynamicBalancer:
     smaller share in the next plans.
 
     ``adapt=False`` keeps every plan at equal speeds (plain LB-Mini plus taking from others).
+    ``take_from_others=False`` keeps each rank to its own queue: LB-Mini weighted by the
+    measured speeds, nothing more, and a rank knows its last microbatch when it takes it
+    (:meth:`MinibatchClaims.exhausted`). ``largest_last=True`` runs each queue cheapest
+    first, so that a rank's last backward is its longest (with HSDP the cross-replica
+    all-reduce started in the last backward hides behind it).
     Speeds: each rank publishes its seconds per unit of cost of a round when the next one
     starts; plans use the rounds up to two back (published before the last ``odc.sync``, so
     no rank waits for them), smoothed with weight ``smoothing`` on the newest.
@@ -78,7 +83,8 @@ class DynamicBalancer:
 
     def __init__(self, group: Any = None, *, name: str | None = None, ahead: int = 1,
                  device: torch.device | str | None = None, adapt: bool = True,
-                 smoothing: float = 0.5) -> None:
+                 smoothing: float = 0.5, take_from_others: bool = True,
+                 largest_last: bool = False) -> None:
         import torch.distributed as dist
 
         self._backend, device_type = _odc_backend_of(group)
@@ -89,6 +95,8 @@ class DynamicBalancer:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
         self.smoothing = float(smoothing)
         self.adapt = bool(adapt)
+        self.take_from_others = bool(take_from_others)
+        self.largest_last = bool(largest_last)
         if name is None:  # the n-th balancer of this group, the same on every rank
             key = (group if group is not None else dist.group.WORLD).group_name
             count = DynamicBalancer._instances.get(key, 0)
@@ -150,7 +158,9 @@ class DynamicBalancer:
         self.round += 1
         self._between_rounds(round_)
         slowdowns = self.slowdowns()
-        plan = lb_mini_weighted(lengths, slowdowns, max_tokens, cost)
+        plan = lb_mini_weighted(lengths, slowdowns, max_tokens, cost)  # most expensive first
+        if self.largest_last:
+            plan = [list(reversed(rank_plan)) for rank_plan in plan]
         if indices is not None:
             plan = [[[indices[i] for i in mb] for mb in rank_plan] for rank_plan in plan]
         record: dict[str, Any] = {"slowdowns": slowdowns, "own": [], "taken": []}
@@ -283,12 +293,14 @@ class MinibatchClaims:
             return list(self._items[victim][len(self._items[victim]) - 1 - back])
 
     def exhausted(self) -> bool:
-        """Whether every queue's items are taken (each queue asked once more at most): then
-        the microbatch this rank took last is its last of the minibatch, and with HSDP
+        """Whether no item is left that this rank could take (every queue's, or its own
+        with ``take_from_others=False``; each asked once more at most): then the microbatch
+        this rank took last is its last of the minibatch, and with HSDP
         ``odc.last_microbatch(model)`` before its backward starts the cross-replica
         all-reduces there. False while an item is left, even one another rank will take."""
+        me = self._balancer.rank
         for v in range(self._balancer.world_size):
-            if v in self._empty:
+            if v in self._empty or (v != me and not self._balancer.take_from_others):
                 continue
             if len(self._items[v]) - self._take(f"taken{v}", 0) > 0:
                 return False
@@ -306,7 +318,7 @@ class MinibatchClaims:
                 self._own_done = True
             else:
                 self._record["own"].append(mb)
-        if mb is None:
+        if mb is None and self._balancer.take_from_others:
             mb = self._steal()
             if mb is not None:
                 self._record["taken"].append(mb)
@@ -325,7 +337,8 @@ class DynamicBatchSampler(_Minibatches, Sampler[MinibatchClaims]):
 
     Minibatches are cut as :class:`BalancedBatchSampler` cuts them (same shuffle for the
     same ``seed`` and epoch) and shared as :class:`DynamicBalancer` describes (``group``,
-    ``name``, ``ahead``, ``device`` and ``adapt`` are its arguments). For decoupled mode
+    ``name``, ``ahead``, ``device``, ``adapt``, ``take_from_others`` and ``largest_last`` are
+    its arguments). For decoupled mode
     only: exact-mode FSDP needs every rank to run the same number of microbatches. Each
     minibatch must end with ``odc.sync``::
 
@@ -352,9 +365,11 @@ class DynamicBatchSampler(_Minibatches, Sampler[MinibatchClaims]):
     def __init__(self, lengths: Sequence[int], max_tokens: int, minibatch_size: int,
                  cost: CostModel, *, group: Any = None, name: str | None = None, ahead: int = 1,
                  device: torch.device | str | None = None, adapt: bool = True, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False) -> None:
+                 shuffle: bool = True, drop_last: bool = False, take_from_others: bool = True,
+                 largest_last: bool = False) -> None:
         self._init_minibatches(lengths, max_tokens, minibatch_size, cost, seed, shuffle, drop_last)
-        self.balancer = DynamicBalancer(group, name=name, ahead=ahead, device=device, adapt=adapt)
+        self.balancer = DynamicBalancer(group, name=name, ahead=ahead, device=device, adapt=adapt,
+                                        take_from_others=take_from_others, largest_last=largest_last)
 
     def __iter__(self) -> Iterator[MinibatchClaims]:
         for index in range(len(self)):

@@ -240,17 +240,17 @@ def test_every_microbatch_is_claimed_exactly_once_and_a_slow_rank_takes_less(run
             costs = [COST([lengths_of(r, 2)[i] for i in mb]) for mb in plan]
             assert costs == sorted(costs), (r, rank, costs)
             assert once[rank]["exhausted"][2][r] == [False] * (len(got) - 1) + [True] * bool(got)
-    assert max(s[0] for s in once[0]["own_slowdowns"][3:]) > 1.5, once[0]["own_slowdowns"]
+    assert max(s[0] for s in once[0]["own_slowdowns"][2:]) > 1.5, once[0]["own_slowdowns"]
     # the rank that is 3x slower takes less than an even share over all rounds (not necessarily
     # less than each other rank: on 2 cores another of 3 ranks can lose as much time to the OS)
     work = {rank: sum(len(mb) for w in (0, 1) for t in once[rank]["taken"][w] for mb in t) for rank in once}
     assert work[0] < sum(work.values()) / world, work
-    # the adaptive balancer learned it: from round 2 on its plans see rank 0 as slower
+    # the adaptive balancer learned it: from round 1 on its plans see rank 0 as slower
     slow = once[0]["slowdowns"]
-    assert slow[0] == slow[1] == [1.0] * world
-    assert all(s == slow[2] for rank in once for s in [once[rank]["slowdowns"][2]]), "plans differ across ranks"
+    assert slow[0] == [1.0] * world
+    assert all(once[rank]["slowdowns"] == slow for rank in once), "plans differ across ranks"
     # (timing on a loaded 2-core machine is noisy: the slow rank must stand out, not the rest be 1)
-    assert all(s[0] > 1.5 and s[0] == max(s) for s in slow[3:]), slow
+    assert all(s[0] > 1.5 and s[0] == max(s) for s in slow[2:]), slow
 
 
 @pytest.mark.parametrize("world", [2, 3])

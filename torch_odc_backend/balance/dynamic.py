@@ -60,9 +60,11 @@ class DynamicBalancer:
     (:meth:`MinibatchClaims.exhausted`). ``largest_last=True`` runs each queue cheapest
     first, so that a rank's last backward is its longest (with HSDP the cross-replica
     all-reduce started in the last backward hides behind it).
-    Speeds: each rank publishes its seconds per unit of cost of a round when the next one
-    starts; plans use the rounds up to two back (published before the last ``odc.sync``, so
-    no rank waits for them), smoothed with weight ``smoothing`` on the newest.
+    Speeds: each rank publishes its seconds per unit of cost of a round when its claims run
+    out (after waiting for its GPU to finish them, as ``odc.sync`` would), so before the
+    round's ``odc.sync``; the next plan uses every rank's of the round before, smoothed with
+    weight ``smoothing`` on the newest. A loop that stops iterating early publishes at the next
+    :meth:`minibatch` call instead; the others' next plan then waits for it.
 
     Rules every rank must follow, since rounds are matched by their order:
 
@@ -130,13 +132,13 @@ class DynamicBalancer:
         return [s / fastest for s in known] if fastest > 0 else [1.0] * self.world_size
 
     def _between_rounds(self, round_: int) -> None:
-        """Publish the last round's measurement; learn the one of two rounds back; drop old keys."""
-        if round_ >= 1:
-            busy, cost = self._last.measure() if self._last is not None else (0.0, 0.0)
-            self._backend.publish(self._key(round_ - 1, f"speed{self.rank}"), f"{busy!r} {cost!r}")
-        if round_ >= 2 and self.adapt:
+        """Learn every rank's measurement of the last round (publishing this rank's if its
+        claims did not run out); drop old keys."""
+        if round_ >= 1 and self._last is not None:
+            self._last._publish_speed()
+        if round_ >= 1 and self.adapt:
             for r in range(self.world_size):
-                busy, cost = (float(x) for x in self._backend.lookup(self._key(round_ - 2, f"speed{r}")).split())
+                busy, cost = (float(x) for x in self._backend.lookup(self._key(round_ - 1, f"speed{r}")).split())
                 if cost > 0 and busy > 0:
                     new = busy / cost
                     old = self.speeds[r]
@@ -210,6 +212,7 @@ class MinibatchClaims:
         self._done = False
         self._marks: list[Any] = []  # start of each microbatch handed out, then the end
         self._cost = 0.0
+        self._published = False
 
     def __iter__(self) -> MinibatchClaims:
         return self
@@ -249,6 +252,15 @@ class MinibatchClaims:
             last.synchronize()
             return first.elapsed_time(last) / 1e3, self._cost
         return last - first, self._cost
+
+    def _publish_speed(self) -> None:
+        """Share this rank's measurement of the round (once)."""
+        if self._published:
+            return
+        busy, cost = self.measure()
+        self._balancer._backend.publish(self._balancer._key(self._round, f"speed{self._balancer.rank}"),
+                                        f"{busy!r} {cost!r}")
+        self._published = True
 
     # --- taking work
 
@@ -324,6 +336,7 @@ class MinibatchClaims:
                 self._record["taken"].append(mb)
         if mb is None:
             self._done = True
+            self._publish_speed()  # before this round's odc.sync: the next plan uses it
             raise StopIteration
         if not self._marks:
             self._marks.append(self._mark())  # the start of this rank's first microbatch

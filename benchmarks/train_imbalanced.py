@@ -837,7 +837,8 @@ def main() -> int:
         kind = _meta.machine_kind(device, world)
         if args.hsdp > 1:  # emulated or real hosts: one replica a host (ODC_HOST_SIZE says so)
             kind += f"-{args.hsdp}hosts" if os.environ.get("ODC_HOST_SIZE") else f"-hsdp{args.hsdp}"
-        kind += docs_label  # another minibatch size than the default: its own result file
+        if not os.environ.get("ODC_BENCH_KIND"):  # unless the caller names the kind
+            kind += docs_label  # another minibatch size than the default: its own result file
         suffix = ("_balanced" if args.balanced else "") + ("_straggler" if args.straggler else "")
         out = _meta.result_path(args.out_dir, "train_imbalanced", kind, suffix)
         out.write_text(json.dumps({

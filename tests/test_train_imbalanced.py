@@ -18,7 +18,8 @@ def result(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(REPO / "benchmarks" / "train_imbalanced.py"), "--steps", "3", "--docs-per-step", "6",
-         "--layers", "2", "--straggler", "1:1.2", "--out-dir", str(out)],
+         "--layers", "2", "--straggler", "1:1.2", "--out-dir", str(out),
+         "--configs", "reference_lbmicro,exact_lbmicro,decoupled_lbmini,decoupled_dynamic,decoupled_adaptive"],
         cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", ODC_BENCH_KIND="test"),
         capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
@@ -30,10 +31,11 @@ def result(tmp_path_factory):
 def test_every_configuration_trains_the_same_model(result):
     _, data = result
     res = data["results"]
-    assert set(res) == {"reference_lbmicro", "exact_lbmicro", "decoupled_lbmini", "decoupled_dynamic"}
+    assert set(res) == {"reference_lbmicro", "exact_lbmicro", "decoupled_lbmini", "decoupled_dynamic",
+                        "decoupled_adaptive"}
     ref = res["reference_lbmicro"]["loss_per_step"]
     assert len(ref) == 2 and all(v > 0 for v in ref)
-    for name in ("exact_lbmicro", "decoupled_lbmini", "decoupled_dynamic"):
+    for name in ("exact_lbmicro", "decoupled_lbmini", "decoupled_dynamic", "decoupled_adaptive"):
         # same documents, same tokens, same initial weights, equal gradients: same losses
         assert res[name]["loss_per_step"] == pytest.approx(ref, rel=1e-5), name
     # every configuration trained every document of a minibatch exactly once, with its length

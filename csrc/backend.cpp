@@ -167,6 +167,7 @@ OdcBackend::OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size
     : Backend(rank, size),
       store_(std::move(store)),
       options_(options ? std::move(options) : odc::Options::create()),
+      timeout_ms_(std::make_shared<std::atomic<int64_t>>(options_->timeout.count())),
       inner_factory_(std::move(inner)),
       split_factory_(std::move(split_factory)) {
   ODC_CHECK(options_->global_ranks_in_group.empty() ||
@@ -176,6 +177,13 @@ OdcBackend::OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size
   if (options_->global_ranks_in_group.empty()) {  // the default group: global rank = group rank
     for (int r = 0; r < size; ++r) options_->global_ranks_in_group.push_back(r);
   }
+}
+
+void OdcBackend::setTimeout(std::chrono::milliseconds timeout) {
+  options_->timeout = timeout;
+  timeout_ms_->store(timeout.count(), std::memory_order_relaxed);  // the transports' waits
+  std::lock_guard<std::mutex> lock(inner_mu_);
+  for (auto& [type, inner] : inners_) inner->setTimeout(timeout);  // the delegated collectives
 }
 
 OdcBackend::~OdcBackend() {
@@ -288,7 +296,7 @@ Channel& OdcBackend::channel(const c10::Device& device) {
                       "; use one device per process (torch.cuda.set_device)");
     return it->second;
   }
-  Channel ch = make_channel(device, *options_, store_, getRank(), getSize());
+  Channel ch = make_channel(device, *options_, timeout_ms_, store_, getRank(), getSize());
   return channels_.emplace(device.type(), std::move(ch)).first->second;
 }
 
@@ -737,6 +745,7 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
   ODC_CHECK(inner_factory_, Error, "odc: no inner backend factory for delegated collectives");
   auto b = inner_factory_(type == c10::kCUDA ? "cuda" : "cpu");
   ODC_CHECK(b, Error, "odc: could not create the inner backend for ", c10::DeviceTypeName(type));
+  b->setTimeout(options_->timeout);  // the group's, as setTimeout last set it
   inners_[type] = b;
   return b;
 }

@@ -83,7 +83,10 @@ class OdcBackend final : public c10d::Backend {
 
   const std::string getBackendName() const override { return "odc"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
-  void setTimeout(std::chrono::milliseconds timeout) override { options_->timeout = timeout; }
+  // Reaches the transports already set up (their waits and launches read it) and the inner
+  // backends. From Python: group.set_timeout(timedelta) (torch's _set_pg_timeout skips
+  // backends other than NCCL and gloo).
+  void setTimeout(std::chrono::milliseconds timeout) override;
   // This group's options, as made (getBackendOptions hands out a copy).
   const odc::Options& options() const { return *options_; }
   // init_process_group(device_id=...): DeviceMesh and split_group then split groups from
@@ -262,6 +265,7 @@ class OdcBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<odc::Options> options_;
+  std::shared_ptr<std::atomic<int64_t>> timeout_ms_;  // options_->timeout, shared with the transports
   InnerFactory inner_factory_;
   SplitFactory split_factory_;
   std::map<c10::DeviceType, Channel> channels_;

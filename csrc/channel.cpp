@@ -124,6 +124,7 @@ bool shared_by_ranks(const TransportArgs& a, const std::vector<std::vector<uint8
 #endif
 
 Channel make_channel(const c10::Device& device, const Options& options,
+                     std::shared_ptr<const std::atomic<int64_t>> timeout_ms,
                      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {
   Channel ch;
   ch.device = device;
@@ -132,7 +133,7 @@ Channel make_channel(const c10::Device& device, const Options& options,
   a.store = store;
   a.rank = rank;
   a.world = size;
-  a.timeout = options.timeout;
+  a.timeout_ms = std::move(timeout_ms);
   a.key_prefix = cuda ? "odc_cuda/" : "odc_shm/";
   const size_t chunk = options.chunk_bytes_for(cuda);
   const int slots = options.ring_slots;

@@ -43,9 +43,11 @@ struct Channel {
 };
 
 // Sets up `device`'s transport for a group (collective over the group: every rank calls it
-// with its own device of that type): the group's name, timeout and global ranks come from
-// `options`. Errors name the group and what to change.
+// with its own device of that type): the group's name and global ranks come from `options`,
+// its timeout from `timeout_ms` (the backend's, so that a changed timeout reaches the
+// transport). Errors name the group and what to change.
 Channel make_channel(const c10::Device& device, const Options& options,
+                     std::shared_ptr<const std::atomic<int64_t>> timeout_ms,
                      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
 
 // The error of an operation odc must serve one-sidedly (`what`: "odc.decouple", "ALLREDUCE")

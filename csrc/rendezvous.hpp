@@ -5,7 +5,9 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,8 +20,14 @@ struct TransportArgs {
   int rank = 0;
   int world = 1;
   WindowLayout layout;
-  std::chrono::milliseconds timeout{0};
+  // The group's timeout in ms, shared with its backend: setTimeout reaches the waits of
+  // transports already running (read at each wait and each launch).
+  std::shared_ptr<const std::atomic<int64_t>> timeout_ms;
   std::string key_prefix;  // distinguishes the transports of one group in the store
+
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(timeout_ms ? timeout_ms->load(std::memory_order_relaxed) : 0);
+  }
 };
 
 // Publish this rank's blob under `name`, return every rank's blob (index = rank).

@@ -24,12 +24,12 @@ std::vector<std::vector<uint8_t>> exchange_blobs(const TransportArgs& a, const s
       continue;
     }
     const std::string key = base + std::to_string(r);
-    if (a.timeout.count() > 0) {  // the group's timeout, not the store's (often longer)
+    if (a.timeout().count() > 0) {  // the group's timeout, not the store's (often longer)
       try {
-        a.store->wait({key}, a.timeout);
+        a.store->wait({key}, a.timeout());
       } catch (const std::exception&) {
         throw CommError(cat("odc: setting up ", name, ": rank ", r, " did not arrive within ",
-                            static_cast<long long>(a.timeout.count()),
+                            static_cast<long long>(a.timeout().count()),
                             " ms (every rank of the group must take this step: it is dead, "
                             "stuck, or took another path)"));
       }

@@ -240,7 +240,7 @@ void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
                           ") has exited. The group cannot be used any more.");
         }
         const auto waited = std::chrono::steady_clock::now() - start;
-        if (waited > a_.timeout) throw CommError(describe_wait(site, peers[i], target, seen, a_.timeout));
+        if (waited > a_.timeout()) throw CommError(describe_wait(site, peers[i], target, seen, a_.timeout()));
       }
     }
     // The counter's acquire load orders this read after the peer's descriptor store.

@@ -186,6 +186,36 @@ def test_dead_or_stuck_peer_times_out(mode, async_op, tmp_path):
     check_peer_failure(_dead_peer_worker, 3, mode, tmp_path, async_op)
 
 
+LONG_TIMEOUT_S, SHORT_TIMEOUT_S = 60.0, 3.0
+
+
+def _changed_timeout_worker(rank, world, tmpdir):
+    """The group is made with a 60 s timeout, runs an all-gather (its transport is set up),
+    then every rank sets 3 s; the peer then never joins the next all-gather."""
+    from datetime import timedelta
+
+    c = ag_case(1, 999, F32, rank, world)
+    dist.all_gather_into_tensor(c["out"], c["inp"])
+    # every backend of the group (torch's _set_pg_timeout skips backends other than NCCL and gloo)
+    dist.group.WORLD.set_timeout(timedelta(seconds=SHORT_TIMEOUT_S))
+    if rank == PEER:
+        wait_for_survivors(tmpdir, world, limit_s=LONG_TIMEOUT_S)  # stuck
+        os._exit(0)
+    c = ag_case(2, 5000, F32, rank, world)
+    record_failure(tmpdir, rank, lambda: dist.all_gather_into_tensor(c["out"], c["inp"]))
+
+
+def test_a_changed_timeout_reaches_a_running_group(tmp_path):
+    try:
+        run_distributed(_changed_timeout_worker, 2, str(tmp_path), env=SMALL_RING,
+                        timeout_s=LONG_TIMEOUT_S, deadline_s=90)
+    except AssertionError:
+        pass  # the peer exits without reporting: judged by the survivor's record below
+    res = json.loads((tmp_path / "rank0.json").read_text())
+    assert res["error"] is not None and re.search(TIMEOUT_RE, res["error"]), res
+    assert SHORT_TIMEOUT_S * 0.9 <= res["elapsed"] <= 2 * SHORT_TIMEOUT_S, res
+
+
 def _window_too_large_worker(rank, world):
     out, inp = torch.empty(8 * world), torch.ones(8)
     try:

@@ -170,7 +170,7 @@ void CudaIpcTransport::watchdog_loop() {
       if (it->started && !released && it->watch.slots && now - it->started_at > kWatchAfter &&
           announced_other(*it)) {
         released = diagnose_and_release(*it);  // the error is recorded: releases everything
-      } else if (it->started && !released && now - it->started_at > a_.timeout) {
+      } else if (it->started && !released && now - it->started_at > a_.timeout()) {
         released = diagnose_and_release(*it);
         if (!released) it->started_at = now;  // its waits are met: slow, not stuck
       } else if (released) {
@@ -472,7 +472,7 @@ bool CudaIpcTransport::plan_fused_blocks() {
 void CudaIpcTransport::run_fused() {
   FusedOp op{};
   op.lanes = a_.world;
-  op.timeout_ns = static_cast<unsigned long long>(a_.timeout.count()) * 1000000ull;
+  op.timeout_ns = static_cast<unsigned long long>(a_.timeout().count()) * 1000000ull;
   op.err = err_dev_;
   op.watch_slots = watch_.slots;
   op.watch_word = watch_.word;
@@ -682,7 +682,7 @@ void CudaIpcTransport::launch_flags(int lane, const Step* wait) {
     op.op = wait->site.op;
     op.what = wait->site.what;
   }
-  op.timeout_ns = static_cast<unsigned long long>(a_.timeout.count()) * 1000000ull;
+  op.timeout_ns = static_cast<unsigned long long>(a_.timeout().count()) * 1000000ull;
   op.err = err_dev_;
   if (wait) {
     op.watch_slots = watch_.slots;
@@ -815,7 +815,7 @@ std::string CudaIpcTransport::async_error() {
   const std::string text =
       code == 3   ? describe_announced(site, a_.rank, e->peer, e->mine, e->theirs)
       : code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs, e->target, e->seen)
-                  : describe_wait(site, e->peer, e->target, e->seen, a_.timeout);
+                  : describe_wait(site, e->peer, e->target, e->seen, a_.timeout());
   return text + " (detected on the GPU; results of this and later collectives are invalid)";
 }
 

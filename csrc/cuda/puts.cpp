@@ -40,7 +40,7 @@ GateOp CudaIpcTransport::gate_of(const std::vector<const Step*>& waits, uint64_t
   g.target = w.value;
   g.desc_expected = w.desc;
   g.desc_id = w.desc_id;
-  g.timeout_ns = static_cast<unsigned long long>(a_.timeout.count()) * 1000000ull;
+  g.timeout_ns = static_cast<unsigned long long>(a_.timeout().count()) * 1000000ull;
   g.op_seq = w.site.op_seq;
   g.op = w.site.op;
   g.what = w.site.what;

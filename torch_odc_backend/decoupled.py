@@ -39,26 +39,27 @@ NVSHMEM has no floating-point atomics to add into a remote accumulator.
 Only public FSDP2 extension points are used: ``set_custom_all_gather`` /
 ``set_custom_reduce_scatter``, ``set_requires_all_reduce``,
 ``set_force_sum_reduction_for_comms``, optimizer step hooks, ``DTensor.from_local``. The
-mixed-precision policy and the group's parameters are read through ``_fsdp_adapter``.
+mixed-precision policy and the group's parameters are read through ``_fsdp_adapter``. The
+per-module comm hooks are in ``_decoupled_groups``, HSDP's early all-reduces in
+``_early_reduction``.
 Design notes and the facts they rest on: docs/decoupled_mode.md.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from . import _fsdp_adapter
 from ._core import _C
 from ._C import OdcBackend
-from ._arena_sizing import _arena_sizes, _policies, _shard_sizes
+from ._arena_sizing import _arena_sizes, _policies
 from ._arena_sizing import arena_bytes  # noqa: F401 - still importable from here, as before
+from ._decoupled_groups import _AllGather, _Group, _ReduceScatter
+from ._early_reduction import _EarlyReduction, reduction_order
 
 # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns there)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -91,204 +92,6 @@ def _make_room_in_nvshmem_slab(model, accumulate: str) -> None:
 
     if nvshmem.available() and _C.nvshmem_status()["slab_bytes"] > 0:
         nvshmem.ensure_room(nvshmem.blocks_for(model, accumulate))
-
-
-class _Group:
-    """One FSDP module's parameter group: its layout and its comm objects."""
-
-    def __init__(self, state: "DecoupledState", index: int, module: FSDPModule,
-                 policy: _fsdp_adapter.GroupPolicy):
-        self.state, self.index, self.module = state, index, module
-        self.params = policy.params  # re-read at every publish (FSDP2 may rebind them)
-        for p in policy.params:
-            if not isinstance(p, DTensor) or p.placements[-1] != Shard(0):
-                raise ValueError("odc decoupled mode needs parameters sharded on dim 0 "
-                                 f"(got placements {getattr(p, 'placements', None)})")
-        self.divide_factor = policy.gradient_divide_factor  # None: FSDP2's default (the DP size)
-        self.orig_dtype = policy.params[0].dtype
-        self.param_dtype = policy.param_dtype or self.orig_dtype
-        self.reduce_dtype = policy.reduce_dtype or self.param_dtype
-        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"odc decoupled mode reduces in float32 or bfloat16, not {self.reduce_dtype}")
-        self.padded, self.trainable, self.numel, self.grad_numel = _shard_sizes(policy)
-        self.versions = None  # the local shards' version counters when last published
-        # accumulate="local": this rank's summed reduce-scatter inputs (fp32), and an event
-        # recorded after each add (FSDP2 runs them on its own stream; sync waits on it)
-        self.local_acc = self.local_event = None
-        if state.accumulate == "local":
-            self.local_acc = torch.zeros(state.world * self.grad_numel, dtype=torch.float32,
-                                         device=state.device)
-            if state.device.type == "cuda":
-                self.local_event = torch.cuda.Event()
-
-    def refresh(self) -> None:
-        policy = _fsdp_adapter.group_policy(self.module)
-        self.params, self.divide_factor = policy.params, policy.gradient_divide_factor
-
-    def local_versions(self) -> list[int]:
-        return [p.to_local()._version for p in self.params]
-
-    def packed_shard(self) -> torch.Tensor:
-        """This rank's shard as FSDP2 packs it for an all-gather: each parameter's local rows
-        cast to param_dtype, zero-padded to the padded shard size, concatenated."""
-        out = torch.zeros(self.numel, dtype=self.param_dtype, device=self.state.device)
-        off = 0
-        for p, padded in zip(self.params, self.padded):
-            local = p.to_local().detach().reshape(-1)  # on the host with CPU offload
-            out[off:off + local.numel()].copy_(local)
-            off += padded
-        return out
-
-    def regroup_post_forward(self, gathered: torch.Tensor, out: torch.Tensor, k: int) -> None:
-        """``reshard_after_forward=k`` (int): FSDP2's backward all-gather runs over a group of k
-        ranks, and its output holds, for each of them in turn, the k-th part of every
-        parameter's padded unsharded data (world/k consecutive shards of it), parameter after
-        parameter. ``gathered`` is the world layout (every rank's packed shard, rank after
-        rank); write the k-rank layout into ``out``."""
-        per_rank = self.state.world // k
-        src = gathered.view(k, per_rank, self.numel)
-        dst = out.view(k, per_rank * self.numel)
-        off = 0
-        for padded in self.padded:
-            dst[:, per_rank * off:per_rank * (off + padded)].view(k, per_rank, padded).copy_(
-                src[:, :, off:off + padded])
-            off += padded
-
-
-class _AllGather:
-    """FSDP2 all-gather comm: get every owner's published shard."""
-
-    def __init__(self, group: _Group):
-        self.group = group
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group=None, async_op=False):
-        st = self.group.state
-        st._check_running("forward/backward (all-gather)")
-        if self.group.versions is not None and self.group.local_versions() != self.group.versions:
-            st._fail("this rank's parameters changed outside optimizer.step() since they were "
-                     "published, so peers would gather stale values (load checkpoints and edit "
-                     "weights before odc.decouple)")
-        if output_tensor.dtype != self.group.param_dtype or output_tensor.numel() != st.world * self.group.numel:
-            raise RuntimeError("odc decoupled mode: FSDP2's all-gather layout differs from the "
-                               f"published one (group {self.group.index})")
-        k = group.size() if group is not None else st.world
-        with _range("odc.get"), st._fail_on_error():
-            if k == st.world:
-                st.arena.get(self.group.index, output_tensor, st.epoch)
-            else:  # reshard_after_forward=k: backward's all-gather over the post-forward group
-                gathered = torch.empty_like(output_tensor)
-                st.arena.get(self.group.index, gathered, st.epoch)
-                self.group.regroup_post_forward(gathered, output_tensor, k)
-        return None
-
-
-class _ReduceScatter:
-    """FSDP2 reduce-scatter comm: add this rank's rows into the owners' accumulators; FSDP's
-    own output stays zero (sync writes the gradients)."""
-
-    def __init__(self, group: _Group):
-        self.group = group
-
-    def allocate(self, size, *, dtype, device):
-        g = self.group
-        if g.state.mesh.ndim == 2 and math.prod(size) == g.grad_numel:
-            # HSDP: FSDP2 keeps the output of a backward that does not all-reduce
-            # (set_requires_all_reduce(False)) as a partial sum for a later all-reduce,
-            # which decoupled mode never runs (sync writes the gradients). An empty tensor
-            # stands in: a full one would hold a gradient's worth of zeros for the whole run
-            # (torch 2.11 never frees it), and any use of it as a gradient fails loudly.
-            return torch.empty(0, dtype=dtype, device=device)
-        return torch.zeros(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
-        st = self.group.state
-        st._check_running("backward (reduce-scatter)")
-        if op is not None and op != dist.ReduceOp.SUM:
-            raise RuntimeError(f"odc decoupled mode: unexpected reduce op {op} (expected SUM)")
-        if input_tensor.numel() != st.world * self.group.grad_numel:
-            st._fail("the reduce-scatter input does not cover every trainable parameter of "
-                     f"group {self.group.index} (a parameter without gradient?); every trainable "
-                     "parameter must receive a gradient in each backward")
-        if st.accumulate == "local":
-            g = self.group
-            with _range("odc.local_accumulate"), st._fail_on_error():
-                g.local_acc.add_(input_tensor.reshape(-1))
-                if g.local_event is not None:
-                    g.local_event.record()
-        else:
-            if st.early is not None:
-                st.early.check_not_done(self.group.index)
-            with _range("odc.put_accumulate"), st._fail_on_error():
-                st.arena.accumulate(self.group.index, input_tensor.contiguous())
-                if st.early is not None:
-                    st.early.done_with(self.group.index)
-        return None
-
-
-def reduction_order(groups: list) -> list[int]:
-    """The order every rank all-reduces the groups' gradients across replicas in: backward's,
-    the reverse of the model's, leaving out groups without trainable parameters (FSDP2 never
-    reduce-scatters those)."""
-    return [g.index for g in reversed(groups) if g.grad_numel > 0]
-
-
-class _EarlyReduction:
-    """One minibatch's cross-replica all-reduces started during the rank's last backward
-    (``odc.last_microbatch``). Every rank issues the all-reduces of the groups in one fixed
-    order (the reverse of their order in the model: backward's order), each once per
-    minibatch, early or at sync, so the replicas' NCCL calls match. A group is issued early
-    once this rank's last backward reduce-scattered it and every group before it in that
-    order was issued; its owner's accumulator is taken (on a side stream) once every rank of
-    the shard group said it is done with the group (at the latest in its sync)."""
-
-    def __init__(self, state: "DecoupledState"):
-        self.state = state
-        self.order = reduction_order(state.groups)
-        self.next = 0  # order[:next] are issued
-        self.done: set[int] = set()
-        self.issued: dict[int, tuple[torch.Tensor, object]] = {}  # group -> (accumulator, work)
-        self.stream = (torch.cuda.ExternalStream(state.arena.side_stream(), device=state.device)
-                       if state.device.type == "cuda" else None)
-
-    def check_not_done(self, index: int) -> None:
-        """Before a reduce-scatter adds anything: none after the announced backward's."""
-        if index in self.done:
-            self.state._fail("a backward after the one odc.last_microbatch announced reduce-scattered "
-                             f"parameter group {index} again, whose reduction across replicas has started")
-
-    def done_with(self, index: int) -> None:
-        st = self.state
-        self.done.add(index)
-        st.arena.group_done(index, st.epoch)  # on FSDP2's stream, after the accumulate
-        while self.next < len(self.order) and self.order[self.next] in self.done:
-            self._issue(self.order[self.next])
-            self.next += 1
-
-    def _issue(self, index: int) -> None:
-        st = self.state
-        # allocated on the issuing stream (FSDP2's reduce-scatter stream, whose freed input
-        # buffers it may reuse), used on the side stream after everything issued before it
-        acc = torch.empty(st.groups[index].grad_numel, dtype=torch.float32, device=st.device)
-        side = contextlib.nullcontext()
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(st.device))
-            acc.record_stream(self.stream)
-            side = torch.cuda.stream(self.stream)
-        with _range("odc.early_all_reduce"), side:
-            st.arena.take_when_done(index, acc, st.epoch)
-            work = dist.all_reduce(acc, group=st.replicate_pg, async_op=True)
-        self.issued[index] = (acc, work)
-
-    def issue_rest(self) -> None:
-        """In sync, after this rank's finish: issue the groups not issued yet, in order, each
-        taken once every rank of the shard group is done with it, so that one rank's
-        all-reduces overlap the backward of a shard peer that announced its last microbatch."""
-        while self.next < len(self.order):
-            self._issue(self.order[self.next])
-            self.next += 1
 
 
 class DecoupledState:

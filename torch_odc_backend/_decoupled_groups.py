@@ -1,0 +1,152 @@
+"""Decoupled mode's FSDP2 comm hooks, one set per FSDP module (parameter group): the
+all-gather *gets* the owners' published shards, the reduce-scatter *adds* this rank's gradient
+rows into the owners' accumulators (or a local sum). The state they act on is
+``decoupled.DecoupledState``."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from . import _fsdp_adapter
+from ._arena_sizing import _shard_sizes
+
+_range = torch.autograd.profiler.record_function  # named ranges in torch.profiler traces
+
+
+class _Group:
+    """One FSDP module's parameter group: its layout and its comm objects."""
+
+    def __init__(self, state, index: int, module: FSDPModule,  # state: decoupled.DecoupledState
+                 policy: _fsdp_adapter.GroupPolicy):
+        self.state, self.index, self.module = state, index, module
+        self.params = policy.params  # re-read at every publish (FSDP2 may rebind them)
+        for p in policy.params:
+            if not isinstance(p, DTensor) or p.placements[-1] != Shard(0):
+                raise ValueError("odc decoupled mode needs parameters sharded on dim 0 "
+                                 f"(got placements {getattr(p, 'placements', None)})")
+        self.divide_factor = policy.gradient_divide_factor  # None: FSDP2's default (the DP size)
+        self.orig_dtype = policy.params[0].dtype
+        self.param_dtype = policy.param_dtype or self.orig_dtype
+        self.reduce_dtype = policy.reduce_dtype or self.param_dtype
+        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"odc decoupled mode reduces in float32 or bfloat16, not {self.reduce_dtype}")
+        self.padded, self.trainable, self.numel, self.grad_numel = _shard_sizes(policy)
+        self.versions = None  # the local shards' version counters when last published
+        # accumulate="local": this rank's summed reduce-scatter inputs (fp32), and an event
+        # recorded after each add (FSDP2 runs them on its own stream; sync waits on it)
+        self.local_acc = self.local_event = None
+        if state.accumulate == "local":
+            self.local_acc = torch.zeros(state.world * self.grad_numel, dtype=torch.float32,
+                                         device=state.device)
+            if state.device.type == "cuda":
+                self.local_event = torch.cuda.Event()
+
+    def refresh(self) -> None:
+        policy = _fsdp_adapter.group_policy(self.module)
+        self.params, self.divide_factor = policy.params, policy.gradient_divide_factor
+
+    def local_versions(self) -> list[int]:
+        return [p.to_local()._version for p in self.params]
+
+    def packed_shard(self) -> torch.Tensor:
+        """This rank's shard as FSDP2 packs it for an all-gather: each parameter's local rows
+        cast to param_dtype, zero-padded to the padded shard size, concatenated."""
+        out = torch.zeros(self.numel, dtype=self.param_dtype, device=self.state.device)
+        off = 0
+        for p, padded in zip(self.params, self.padded):
+            local = p.to_local().detach().reshape(-1)  # on the host with CPU offload
+            out[off:off + local.numel()].copy_(local)
+            off += padded
+        return out
+
+    def regroup_post_forward(self, gathered: torch.Tensor, out: torch.Tensor, k: int) -> None:
+        """``reshard_after_forward=k`` (int): FSDP2's backward all-gather runs over a group of k
+        ranks, and its output holds, for each of them in turn, the k-th part of every
+        parameter's padded unsharded data (world/k consecutive shards of it), parameter after
+        parameter. ``gathered`` is the world layout (every rank's packed shard, rank after
+        rank); write the k-rank layout into ``out``."""
+        per_rank = self.state.world // k
+        src = gathered.view(k, per_rank, self.numel)
+        dst = out.view(k, per_rank * self.numel)
+        off = 0
+        for padded in self.padded:
+            dst[:, per_rank * off:per_rank * (off + padded)].view(k, per_rank, padded).copy_(
+                src[:, :, off:off + padded])
+            off += padded
+
+
+class _AllGather:
+    """FSDP2 all-gather comm: get every owner's published shard."""
+
+    def __init__(self, group: _Group):
+        self.group = group
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, async_op=False):
+        st = self.group.state
+        st._check_running("forward/backward (all-gather)")
+        if self.group.versions is not None and self.group.local_versions() != self.group.versions:
+            st._fail("this rank's parameters changed outside optimizer.step() since they were "
+                     "published, so peers would gather stale values (load checkpoints and edit "
+                     "weights before odc.decouple)")
+        if output_tensor.dtype != self.group.param_dtype or output_tensor.numel() != st.world * self.group.numel:
+            raise RuntimeError("odc decoupled mode: FSDP2's all-gather layout differs from the "
+                               f"published one (group {self.group.index})")
+        k = group.size() if group is not None else st.world
+        with _range("odc.get"), st._fail_on_error():
+            if k == st.world:
+                st.arena.get(self.group.index, output_tensor, st.epoch)
+            else:  # reshard_after_forward=k: backward's all-gather over the post-forward group
+                gathered = torch.empty_like(output_tensor)
+                st.arena.get(self.group.index, gathered, st.epoch)
+                self.group.regroup_post_forward(gathered, output_tensor, k)
+        return None
+
+
+class _ReduceScatter:
+    """FSDP2 reduce-scatter comm: add this rank's rows into the owners' accumulators; FSDP's
+    own output stays zero (sync writes the gradients)."""
+
+    def __init__(self, group: _Group):
+        self.group = group
+
+    def allocate(self, size, *, dtype, device):
+        g = self.group
+        if g.state.mesh.ndim == 2 and math.prod(size) == g.grad_numel:
+            # HSDP: FSDP2 keeps the output of a backward that does not all-reduce
+            # (set_requires_all_reduce(False)) as a partial sum for a later all-reduce,
+            # which decoupled mode never runs (sync writes the gradients). An empty tensor
+            # stands in: a full one would hold a gradient's worth of zeros for the whole run
+            # (torch 2.11 never frees it), and any use of it as a gradient fails loudly.
+            return torch.empty(0, dtype=dtype, device=device)
+        return torch.zeros(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
+        st = self.group.state
+        st._check_running("backward (reduce-scatter)")
+        if op is not None and op != dist.ReduceOp.SUM:
+            raise RuntimeError(f"odc decoupled mode: unexpected reduce op {op} (expected SUM)")
+        if input_tensor.numel() != st.world * self.group.grad_numel:
+            st._fail("the reduce-scatter input does not cover every trainable parameter of "
+                     f"group {self.group.index} (a parameter without gradient?); every trainable "
+                     "parameter must receive a gradient in each backward")
+        if st.accumulate == "local":
+            g = self.group
+            with _range("odc.local_accumulate"), st._fail_on_error():
+                g.local_acc.add_(input_tensor.reshape(-1))
+                if g.local_event is not None:
+                    g.local_event.record()
+        else:
+            if st.early is not None:
+                st.early.check_not_done(self.group.index)
+            with _range("odc.put_accumulate"), st._fail_on_error():
+                st.arena.accumulate(self.group.index, input_tensor.contiguous())
+                if st.early is not None:
+                    st.early.done_with(self.group.index)
+        return None

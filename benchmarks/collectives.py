@@ -68,6 +68,7 @@ from pathlib import Path  # noqa: E402
 
 import torch_odc_backend  # noqa: E402  (registers "odc"; imported before CUDA initialises)
 from _meta import git_commit, lab_info, machine_kind  # noqa: E402
+from _png import save_png  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = [(1 << i) * MiB for i in range(10)]  # 1 MiB .. 512 MiB
@@ -202,7 +203,7 @@ def plot_results(json_path: str | os.PathLike, png_path: str | os.PathLike | Non
                  f"{str(data.get('commit', '?'))[:10]}, {data.get('date', '?')[:10]}"
                  + (f"\n{note}" if note else ""), fontsize=10)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    save_png(fig, png_path)
     plt.close(fig)
     return png_path
 

@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from _png import save_png
+
 
 def draw(result: dict, out: Path, steps: int | None) -> None:
     import matplotlib
@@ -61,7 +63,7 @@ def draw(result: dict, out: Path, steps: int | None) -> None:
     fig.suptitle(f"{result['kind']} {result.get('model', '')}: per-rank timeline", fontsize=10, x=0.01,
                  ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(out, dpi=120)
+    save_png(fig, out)
 
 
 def main() -> int:

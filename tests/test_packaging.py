@@ -221,7 +221,7 @@ def test_autoload_entry_point_is_declared_and_installed():
 
 
 def test_benchmark_imports_are_in_the_benchmarks_extra():
-    dist_of = {"cuda": "cuda-bindings"}  # module -> distribution where the names differ
+    dist_of = {"cuda": "cuda-bindings", "PIL": "pillow"}  # module -> distribution where the names differ
     imports = _third_party_imports((ROOT / "benchmarks").glob("*.py")) - {"torch"}
     extra = set(_names(_pyproject()["project"]["optional-dependencies"]["benchmarks"]))
     assert {dist_of.get(m, m) for m in imports} <= extra, imports

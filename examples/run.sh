@@ -27,8 +27,26 @@ if [ "${ODC_SKIP_INSTALL:-0}" != 1 ]; then
         2>/dev/null || missing+=("setuptools>=77")   # 77: SPDX license metadata (pyproject.toml)
     [ "${#missing[@]}" -eq 0 ] || "$PY" -m pip install "${missing[@]}"
     # --no-build-isolation: build against the torch above and fetch nothing (machines
-    # without a package registry too)
-    MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e .
+    # without a package registry too). Skipped when this checkout is installed and its
+    # compiled extension imports and is newer than every C++ source and build file.
+    if "$PY" - <<'PYEOF'
+import importlib.metadata, pathlib, sys
+try:
+    importlib.metadata.distribution("torch_odc_backend")
+    import torch_odc_backend._C as ext
+except Exception:
+    sys.exit(1)
+repo = pathlib.Path.cwd().resolve()
+so = pathlib.Path(ext.__file__).resolve()
+sources = [p for p in (repo / "csrc").rglob("*") if p.is_file()] + [repo / "setup.py", repo / "pyproject.toml"]
+sys.exit(0 if so.parent == repo / "torch_odc_backend"
+         and all(p.stat().st_mtime <= so.stat().st_mtime for p in sources) else 1)
+PYEOF
+    then
+        echo "torch_odc_backend: installed from this checkout and built from its current sources"
+    else
+        MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --no-build-isolation --no-deps -e .
+    fi
 fi
 
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')

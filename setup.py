@@ -23,13 +23,16 @@ HOST_SOURCES = [
     "csrc/arena.cpp",
     "csrc/pool.cpp",
     "csrc/channel.cpp",
+    "csrc/work.cpp",
+    "csrc/device_work.cpp",
     "csrc/backend.cpp",
     "csrc/own_collectives.cpp",
     "csrc/decoupled.cpp",
     "csrc/bindings.cpp",
 ]
 CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csrc/cuda/puts.cpp",
-                "csrc/cuda/kernels.cu"]
+                "csrc/cuda/kernels.cu", "csrc/cuda/cuda_device_work.cpp"]
+HOST_ONLY_SOURCES = ["csrc/host_only.cpp"]  # in a build without CUDA, in place of the CUDA sources
 
 def nvshmem_dirs():
     """(include, lib) of NVSHMEM: $NVSHMEM_HOME, else the nvidia-nvshmem-cu13 wheel."""
@@ -118,7 +121,8 @@ if with_cuda:
     )
 else:
     ext = CppExtension(
-        "torch_odc_backend._C", HOST_SOURCES, extra_compile_args=cxx_flags, libraries=["rt"]
+        "torch_odc_backend._C", HOST_SOURCES + HOST_ONLY_SOURCES, extra_compile_args=cxx_flags,
+        libraries=["rt"]
     )
 
 def torch_requirement() -> str:

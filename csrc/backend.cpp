@@ -17,125 +17,11 @@
 #include <cstdio>
 #include <cstring>
 
+#include "device_work.hpp"
 #include "text.hpp"
-
-#ifdef ODC_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include <cuda_runtime.h>
-#endif
+#include "work.hpp"
 
 namespace odc {
-namespace {
-
-// The Work of a one-sided collective. CPU work is complete when returned; CUDA
-// work completes on the operation's stream, and wait() only makes the caller's
-// current stream wait for it (the CPU never blocks; nothing to do where the current stream
-// is the operation's, as for async_op=False). Its Future is made on the first
-// getFuture(): most callers never ask, and making one costs an event and a walk of the
-// outputs on every collective.
-class OdcWork final : public c10d::Work {
- public:
-  OdcWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
-          std::vector<at::Tensor> keep_alive, std::shared_ptr<Transport> transport)
-      : Work(rank, type),
-        outputs_(std::move(outputs)),
-        keep_alive_(std::move(keep_alive)),
-        transport_(std::move(transport)) {}
-
-#ifdef ODC_WITH_CUDA
-  // done: a cudaEvent_t (Transport::completion) recorded on op_stream. blocking: wait()
-  // blocks the host until the work is done (a barrier's work, as NCCL's)
-  void set_done_event(std::shared_ptr<void> done, void* op_stream, c10::DeviceIndex dev,
-                      bool blocking) {
-    done_ = std::move(done);
-    op_stream_ = op_stream;
-    device_ = dev;
-    blocking_ = blocking;
-  }
-#endif
-
-  bool isCompleted() override {
-    raise_async_error();
-#ifdef ODC_WITH_CUDA
-    if (done_) {
-      const cudaError_t e = cudaEventQuery(event());
-      if (e == cudaErrorNotReady) (void)cudaGetLastError();
-      else C10_CUDA_CHECK(e);
-      return e == cudaSuccess;
-    }
-#endif
-    return true;
-  }
-  bool isSuccess() const override { return true; }
-
-  bool wait(std::chrono::milliseconds /*timeout*/) override {
-    raise_async_error();
-#ifdef ODC_WITH_CUDA
-    if (done_ && blocking_) {
-      C10_CUDA_CHECK(cudaEventSynchronize(event()));  // a device-side timeout ends the wait too
-      raise_async_error();
-    } else if (done_) {
-      cudaStream_t current = c10::cuda::getCurrentCUDAStream(device_).stream();
-      if (current != op_stream_) C10_CUDA_CHECK(cudaStreamWaitEvent(current, event(), 0));
-    }
-#endif
-    return true;
-  }
-
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    std::lock_guard<std::mutex> lock(future_mu_);
-    if (!future_) future_ = make_future();
-    return future_;
-  }
-  std::vector<at::Tensor> result() override { return outputs_; }
-
- private:
-  void raise_async_error() {
-    const std::string err = transport_->async_error();
-    if (!err.empty()) C10_THROW_ERROR(DistBackendError, err);
-  }
-
-  // A Future completed with the outputs. On CUDA it completes with the work: marked on a
-  // side stream that waits for the work's event (not on the operation's stream, which may
-  // carry later work by now).
-  c10::intrusive_ptr<c10::ivalue::Future> make_future() {
-    auto list_type = c10::ListType::create(c10::TensorType::get());
-#ifdef ODC_WITH_CUDA
-    if (done_) {
-      auto future = c10::make_intrusive<c10::ivalue::Future>(
-          list_type, std::vector<c10::Device>{c10::Device(c10::kCUDA, device_)});
-      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device_);
-      C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), event(), 0));
-      c10::cuda::CUDAStreamGuard on_side(side);
-      future->markCompleted(c10::IValue(outputs_));
-      return future;
-    }
-#endif
-    auto future = c10::make_intrusive<c10::ivalue::Future>(list_type);
-    future->markCompleted(c10::IValue(outputs_));
-    return future;
-  }
-
-  std::vector<at::Tensor> outputs_;
-  std::vector<at::Tensor> keep_alive_;  // inputs stay alive until the work is dropped
-  std::mutex future_mu_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::shared_ptr<Transport> transport_;
-#ifdef ODC_WITH_CUDA
-  cudaEvent_t event() const { return static_cast<cudaEvent_t>(done_.get()); }
-  std::shared_ptr<void> done_;
-  void* op_stream_ = nullptr;
-  c10::DeviceIndex device_ = 0;
-  bool blocking_ = false;
-#endif
-};
-
-}  // namespace
-
 DType to_dtype(at::ScalarType t, const char* api) {
   switch (t) {
     case at::kFloat: return DType::F32;
@@ -187,16 +73,7 @@ void OdcBackend::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 OdcBackend::~OdcBackend() {
-#ifdef ODC_WITH_CUDA
-  // Device work may still reference the windows: finish it before unmapping.
-  for (auto& [type, ch] : channels_) {
-    if (type == c10::kCUDA) {
-      c10::cuda::CUDAGuard g(ch.device.index());
-      (void)cudaDeviceSynchronize();
-      if (ch.async_stream) give_async_stream(ch.device.index(), ch.async_stream);
-    }
-  }
-#endif
+  for (auto& [type, ch] : channels_) release_device(ch);
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> OdcBackend::getBackendOptions() {
@@ -330,38 +207,6 @@ bool OdcBackend::registered_inputs(Channel& ch, bool ag, const at::Tensor& in,
   return true;
 }
 
-#ifdef ODC_WITH_CUDA
-namespace {
-// How registered memory is ordered on CUDA streams (RegisteredPool::StreamOrder): the current
-// stream allocates; a free records an event on the block's stream; a block freed on another
-// stream is reused after that event.
-RegisteredPool::StreamOrder cuda_stream_order(c10::DeviceIndex idx) {
-  RegisteredPool::StreamOrder order;
-  order.current = [idx]() -> void* { return c10::cuda::getCurrentCUDAStream(idx).stream(); };
-  order.record = [idx](void* stream) {
-    c10::cuda::CUDAGuard g(idx);
-    cudaEvent_t ev = nullptr;
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(ev, static_cast<cudaStream_t>(stream)));
-    return std::shared_ptr<void>(ev, [idx](void* e) {
-      c10::cuda::CUDAGuard g2(idx);
-      (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
-    });
-  };
-  order.done = [](const std::shared_ptr<void>& ev) {
-    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(ev.get()));
-    if (e == cudaErrorNotReady) (void)cudaGetLastError();
-    return e == cudaSuccess;
-  };
-  order.wait = [](void* stream, const std::shared_ptr<void>& ev) {
-    C10_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                       static_cast<cudaEvent_t>(ev.get()), 0));
-  };
-  return order;
-}
-}  // namespace
-#endif
-
 at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
   const c10::Device device = options.device();
   ODC_CHECK(size >= 0, ValueError, "odc: allocate_tensor: negative size ", size);
@@ -386,11 +231,8 @@ at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
       }
       std::vector<char*> bases;
       for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
-      RegisteredPool::StreamOrder order;
-#ifdef ODC_WITH_CUDA
-      if (device.is_cuda()) order = cuda_stream_order(device.index());
-#endif
-      ch.pool = std::make_shared<RegisteredPool>(std::move(bases), bytes, getRank(), std::move(order));
+      ch.pool = std::make_shared<RegisteredPool>(std::move(bases), bytes, getRank(),
+                                                 stream_order(device));
     }
     pool = ch.pool;
   }
@@ -505,25 +347,8 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
     }
   }
   const uint64_t seq = ++seq_;
-  void* stream = nullptr;
-#ifdef ODC_WITH_CUDA
-  c10::optional<c10::cuda::CUDAStream> op_stream;
-  // Scratch tensors belong to the operation's stream: the caller's current one (nothing to
-  // set), or with async_op the group's own, made current for the body.
-  c10::optional<c10::cuda::CUDAStreamGuard> on_op_stream;
-  if (device.is_cuda()) {
-    auto current = c10::cuda::getCurrentCUDAStream(device.index());
-    op_stream = current;
-    if (async_op) {
-      op_stream = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(ch.async_stream),
-                                                   device.index());
-      const std::shared_ptr<void> ready = ch.transport->completion(current.stream(), false);
-      C10_CUDA_CHECK(cudaStreamWaitEvent(op_stream->stream(), static_cast<cudaEvent_t>(ready.get()), 0));
-      on_op_stream.emplace(*op_stream);
-    }
-    stream = op_stream->stream();
-  }
-#endif
+  const std::unique_ptr<DeviceLaunch> on_device = begin_launch(ch, async_op);
+  void* stream = on_device->stream();
   try {
     // One collective of the group: numbered and announced to the peers (protocol.hpp).
     struct Bracket {
@@ -542,25 +367,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
     C10_THROW_ERROR(DistBackendError, broken_);
   }
 
-#ifdef ODC_WITH_CUDA
-  if (device.is_cuda()) {
-    if (async_op) {
-      // Tensors are used on a stream the caching allocator does not know about.
-      for (auto* ts : {&keep, &outputs}) {
-        for (auto& t : *ts) {
-          c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *op_stream);
-        }
-      }
-    }
-    auto work = c10::make_intrusive<OdcWork>(getRank(), type, std::move(outputs), std::move(keep),
-                                             ch.transport);
-    work->set_done_event(ch.transport->completion(stream, ends_with_op), stream, device.index(),
-                         blocking);
-    return work;
-  }
-#endif
+  std::unique_ptr<DeviceCompletion> done = on_device->finish(keep, outputs, blocking, ends_with_op);
   return c10::make_intrusive<OdcWork>(getRank(), type, std::move(outputs), std::move(keep),
-                                      ch.transport);
+                                      ch.transport, std::move(done));
 }
 
 c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor>& outputs,
@@ -835,8 +644,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o
   // A host barrier (the CPU inner backend) unless a CUDA device is named; then the barrier
   // also orders device work, as NCCL's does. A build without CUDA has no CUDA side: its
   // barrier is a host barrier whatever device_ids say (what gloo does).
-#ifdef ODC_WITH_CUDA
-  if ((o.device && o.device->is_cuda()) || !o.device_ids.empty()) {
+  if (kBuiltWithCuda && ((o.device && o.device->is_cuda()) || !o.device_ids.empty())) {
     const c10::Device device =
         o.device && o.device->is_cuda()
             ? *o.device
@@ -844,7 +652,6 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o
     if (serves_itself(device)) return own_barrier(device);
     ODC_DELEGATE(c10::kCUDA, barrier(o));
   }
-#endif
   if (serves_itself(c10::Device(c10::kCPU))) return own_barrier(c10::Device(c10::kCPU));
   ODC_DELEGATE(c10::kCPU, barrier(o));
 }

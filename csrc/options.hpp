@@ -20,6 +20,12 @@ constexpr bool kBuiltWithNvshmem = true;
 #else
 constexpr bool kBuiltWithNvshmem = false;
 #endif
+// Whether this build moves CUDA tensors itself (ODC_WITH_CUDA).
+#ifdef ODC_WITH_CUDA
+constexpr bool kBuiltWithCuda = true;
+#else
+constexpr bool kBuiltWithCuda = false;
+#endif
 
 // How CUDA peers are reached (ODC_TRANSPORT). A group with ranks on several hosts that no
 // odc transport connects hands its collectives to its inner NCCL (gloo) group instead.

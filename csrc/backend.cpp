@@ -1,5 +1,8 @@
-// Layer 5, backend: OdcBackend (backend.hpp): argument checks, launching collectives on a
-// channel, delegation to the inner backends, the store-based claims of odc.balance.
+// Layer 5, backend: OdcBackend (backend.hpp), the c10d face: a group's life (creation,
+// split, shutdown, timeout), its channels, launching the one-sided collectives on a channel,
+// the counters and the store-based claims of odc.balance. Beside it: argument checks
+// (checks.cpp), registered memory (registered.cpp), delegated collectives (delegated.cpp),
+// the Work (work.cpp) and the device side of a launch (device_work.hpp).
 #include "backend.hpp"
 
 #include <ATen/core/ivalue.h>
@@ -22,31 +25,6 @@
 #include "work.hpp"
 
 namespace odc {
-DType to_dtype(at::ScalarType t, const char* api) {
-  switch (t) {
-    case at::kFloat: return DType::F32;
-    case at::kBFloat16: return DType::BF16;
-    case at::kHalf: return DType::F16;
-    case at::kDouble: return DType::F64;
-    case at::kInt: return DType::I32;
-    case at::kLong: return DType::I64;
-    case at::kByte:
-    case at::kBool: return DType::U8;
-    case at::kChar: return DType::I8;
-    default:
-      C10_THROW_ERROR(TypeError, cat("odc: ", api, ": unsupported dtype ", c10::toString(t),
-                                     " (reductions support float32, bfloat16, float16, float64, "
-                                     "int32, int64, uint8, int8 and bool)"));
-  }
-}
-
-std::string describe(const at::Tensor& t) {
-  std::string dims;
-  for (int64_t d : t.sizes()) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-  return cat(c10::toString(t.scalar_type()), "[", dims, "] on ", t.device());
-}
-
-
 OdcBackend::OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                        c10::intrusive_ptr<odc::Options> options, InnerFactory inner,
                        SplitFactory split_factory)
@@ -175,152 +153,6 @@ Channel& OdcBackend::channel(const c10::Device& device) {
   }
   Channel ch = make_channel(device, *options_, timeout_ms_, store_, getRank(), getSize());
   return channels_.emplace(device.type(), std::move(ch)).first->second;
-}
-
-bool OdcBackend::registered_inputs(Channel& ch, bool ag, const at::Tensor& in,
-                                   const at::Tensor& out, size_t per_rank,
-                                   std::vector<const char*>* in_at, RegisteredId* id) const {
-  // Only the buffers FSDP2 allocates for its collectives qualify, so that every rank takes
-  // the same path: an all-gather in place (its output a whole registered buffer, its input
-  // this rank's part of it), a reduce-scatter whose input is a whole registered buffer.
-  // Other tensors in registered memory (views of it, such as FSDP2's gradients) take the
-  // staged path: whether a view is registered can differ between ranks.
-  const RegisteredPool* pool = ch.pool.get();
-  const int rank = getRank(), world = getSize();
-  const size_t whole = per_rank * world;
-  size_t off = 0;
-  if (!pool || whole == 0) return false;
-  if (ag) {
-    if (static_cast<const char*>(in.data_ptr()) !=
-            static_cast<const char*>(out.data_ptr()) + static_cast<size_t>(rank) * per_rank ||
-        !pool->is_block(out.data_ptr(), whole, &off)) {
-      return false;
-    }
-  } else if (!pool->is_block(in.data_ptr(), whole, &off)) {
-    return false;
-  }
-  id->offset = off;
-  in_at->clear();
-  for (int r = 0; r < world; ++r) {
-    in_at->push_back(pool->base(r) + off + (ag ? static_cast<size_t>(r) * per_rank : 0));
-  }
-  return true;
-}
-
-at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
-  const c10::Device device = options.device();
-  ODC_CHECK(size >= 0, ValueError, "odc: allocate_tensor: negative size ", size);
-  ODC_CHECK(device.is_cpu() || device.is_cuda(), ValueError,
-            "odc: allocate_tensor: unsupported device ", device);
-  settle_default_backend_type();
-  std::shared_ptr<RegisteredPool> pool;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    check_usable();
-    Channel& ch = channel(device);
-    if (!ch.pool && ch.transport && ch.transport->maps_every_peer()) {
-      const size_t bytes = options_->pool_bytes_for(device.is_cuda());
-      int arena = 0;
-      try {
-        arena = ch.transport->create_arena(bytes);  // collective
-      } catch (const std::exception& e) {
-        C10_THROW_ERROR(DistBackendError,
-                        cat("odc: allocate_tensor: registered memory is set up by every rank of "
-                            "the group at its first allocate_tensor, and one did not take part: ",
-                            e.what()));
-      }
-      std::vector<char*> bases;
-      for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
-      ch.pool = std::make_shared<RegisteredPool>(std::move(bases), bytes, getRank(),
-                                                 stream_order(device));
-    }
-    pool = ch.pool;
-  }
-  const size_t bytes = static_cast<size_t>(size) * options.dtype().itemsize();
-  const size_t off = pool ? pool->allocate(bytes) : SIZE_MAX;
-  if (off == SIZE_MAX) {  // full (or no pool): ordinary memory, the staged path
-    count(Stat::RegisteredFallbacks, 1);
-    return at::empty({size}, options);
-  }
-  count(Stat::RegisteredAllocations, 1);
-  return at::from_blob(pool->base(getRank()) + off, {size},
-                       [pool, off](void*) { pool->free(off); }, options);
-}
-
-void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
-                  const char* what) {
-  ODC_CHECK(t.defined(), ValueError, "odc: ", api, ": undefined ", what);
-  ODC_CHECK(t.device() == device, ValueError, "odc: ", api, ": all tensors must be on one device, ",
-            "got ", what, " ", describe(t), " and others on ", device);
-  ODC_CHECK(device.is_cpu() || device.is_cuda(), ValueError, "odc: ", api,
-            ": unsupported device ", device);
-  ODC_CHECK(t.is_contiguous(), ValueError, "odc: ", api, ": tensors must be contiguous (", what,
-            " ", describe(t), " is not); call .contiguous() first");
-}
-
-const char* reduce_op_name(const c10d::ReduceOp& op) {
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM: return "SUM";
-    case c10d::ReduceOp::AVG: return "AVG";
-    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
-    case c10d::ReduceOp::MIN: return "MIN";
-    case c10d::ReduceOp::MAX: return "MAX";
-    case c10d::ReduceOp::BAND: return "BAND";
-    case c10d::ReduceOp::BOR: return "BOR";
-    case c10d::ReduceOp::BXOR: return "BXOR";
-    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
-    default: return "UNUSED";
-  }
-}
-
-bool is_bitwise(const c10d::ReduceOp& op) {
-  return op.op_ == c10d::ReduceOp::BAND || op.op_ == c10d::ReduceOp::BOR ||
-         op.op_ == c10d::ReduceOp::BXOR;
-}
-
-ReduceSpec OdcBackend::reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op, const char* api,
-                                   std::vector<at::Tensor>& factors, RedOp* red_op) {
-  ReduceSpec spec;
-  spec.dtype = to_dtype(t.scalar_type(), api);
-  const bool floating = at::isFloatingType(t.scalar_type());
-  const bool boolean = t.scalar_type() == at::kBool;
-  *red_op = RedOp::Sum;
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM:  // of booleans: a logical or, as NCCL's
-      spec.combine = boolean ? Combine::Max : Combine::Sum;
-      break;
-    case c10d::ReduceOp::AVG:
-      ODC_CHECK(floating, TypeError, "odc: ", api, ": AVG needs a floating-point dtype, got ",
-                c10::toString(t.scalar_type()));
-      spec.scale = 1.0 / getSize();
-      *red_op = RedOp::Avg;
-      break;
-    case c10d::ReduceOp::PREMUL_SUM: {
-      ODC_CHECK(floating, TypeError, "odc: ", api, ": PREMUL_SUM needs a floating-point dtype");
-      *red_op = RedOp::PreMulSum;
-      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
-      ODC_CHECK(sup, ValueError, "odc: ", api, ": PREMUL_SUM without a factor");
-      if (sup->tensor_factor.defined()) {
-        factors.push_back(sup->tensor_factor.to(t.device(), at::kFloat).contiguous());
-        spec.scale_ptr = factors.back().data_ptr<float>();
-      } else {
-        spec.scale = sup->double_factor;
-      }
-      break;
-    }
-    case c10d::ReduceOp::MAX: spec.combine = Combine::Max; *red_op = RedOp::Max; break;
-    case c10d::ReduceOp::MIN: spec.combine = Combine::Min; *red_op = RedOp::Min; break;
-    case c10d::ReduceOp::PRODUCT:  // of booleans: a logical and
-      spec.combine = boolean ? Combine::Min : Combine::Product;
-      *red_op = RedOp::Product;
-      break;
-    default:
-      ODC_CHECK(false, ValueError, "odc: ", api, ": unsupported reduce op ", reduce_op_name(op),
-                " (odc reduces with SUM, AVG, PREMUL_SUM, MAX, MIN and PRODUCT; with "
-                "ODC_SELF_SERVE=0 the collectives FSDP does not issue, bitwise ones included, go "
-                "to the inner gloo / NCCL backend)");
-  }
-  return spec;
 }
 
 uint64_t OdcBackend::desc(OpKind kind, const at::Tensor& t, uint64_t bytes, RedOp op,
@@ -489,13 +321,6 @@ std::string OdcBackend::hosts(const c10::Device& device) {
   return channel(on).hosts;
 }
 
-namespace {
-c10::Device device_of(const std::vector<at::Tensor>& ts) {
-  ODC_CHECK(!ts.empty() && ts[0].defined(), ValueError, "odc: collective called with no tensors");
-  return ts[0].device();
-}
-}  // namespace
-
 c10::intrusive_ptr<c10d::Work> OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                            const c10d::AllgatherOptions& opts) {
   if (auto b = across_hosts(input.device())) return b->_allgather_base(output, input, opts);
@@ -539,125 +364,6 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter_tensor_coalesced(
   return run(Kind::ReduceScatter, outputs, inputs, opts.asyncOp, &opts.reduceOp,
              "reduce_scatter_tensor_coalesced");
 }
-
-// ---- Delegation to the inner backend of the tensors' device type.
-
-c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
-  settle_default_backend_type();
-  std::lock_guard<std::mutex> lock(inner_mu_);
-  {
-    std::lock_guard<std::mutex> state(mu_);
-    check_usable();
-  }
-  auto it = inners_.find(type);
-  if (it != inners_.end()) return it->second;
-  ODC_CHECK(inner_factory_, Error, "odc: no inner backend factory for delegated collectives");
-  auto b = inner_factory_(type == c10::kCUDA ? "cuda" : "cpu");
-  ODC_CHECK(b, Error, "odc: could not create the inner backend for ", c10::DeviceTypeName(type));
-  b->setTimeout(options_->timeout);  // the group's, as setTimeout last set it
-  inners_[type] = b;
-  return b;
-}
-
-#define ODC_DELEGATE(device_type, call)       \
-  do {                                        \
-    count(Stat::DelegatedOps, 1);             \
-    return inner(device_type)->call;          \
-  } while (0)
-
-// The collectives FSDP does not issue go to the inner backend, or to odc itself where that
-// cannot serve them (serves_itself: own_collectives.cpp).
-#define ODC_SERVE_OR_DELEGATE(device, own, call) \
-  do {                                           \
-    const c10::Device dev_ = (device);           \
-    if (serves_itself(dev_)) return own;         \
-    ODC_DELEGATE(dev_.type(), call);             \
-  } while (0)
-
-
-c10::intrusive_ptr<c10d::Work> OdcBackend::broadcast(std::vector<at::Tensor>& t,
-                                                     const c10d::BroadcastOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t), own_broadcast(t, o), broadcast(t, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce(std::vector<at::Tensor>& t,
-                                                     const c10d::AllreduceOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t), own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce"),
-                        allreduce(t, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce_coalesced(
-    std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t),
-                        own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce_coalesced"),
-                        allreduce_coalesced(t, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::reduce(std::vector<at::Tensor>& t,
-                                                  const c10d::ReduceOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t), own_reduce(t, o), reduce(t, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::allgather(std::vector<std::vector<at::Tensor>>& out,
-                                                     std::vector<at::Tensor>& in,
-                                                     const c10d::AllgatherOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(in), own_allgather(out, in, o), allgather(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_coalesced(
-    std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
-    const c10d::AllgatherOptions& o) {
-  ODC_DELEGATE(device_of(in).type(), allgather_coalesced(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::gather(std::vector<std::vector<at::Tensor>>& out,
-                                                  std::vector<at::Tensor>& in,
-                                                  const c10d::GatherOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(in), own_gather(out, in, o), gather(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::scatter(std::vector<at::Tensor>& out,
-                                                   std::vector<std::vector<at::Tensor>>& in,
-                                                   const c10d::ScatterOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(out), own_scatter(out, in, o), scatter(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter(
-    std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
-    const c10d::ReduceScatterOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(out), own_reduce_scatter(out, in, o), reduce_scatter(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall_base(at::Tensor& out, at::Tensor& in,
-                                                         std::vector<int64_t>& os,
-                                                         std::vector<int64_t>& is,
-                                                         const c10d::AllToAllOptions& o) {
-  ODC_SERVE_OR_DELEGATE(in.device(), own_alltoall_base(out, in, os, is, o),
-                        alltoall_base(out, in, os, is, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall(std::vector<at::Tensor>& out,
-                                                    std::vector<at::Tensor>& in,
-                                                    const c10d::AllToAllOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(in), own_alltoall(out, in, o), alltoall(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::send(std::vector<at::Tensor>& t, int dst, int tag) {
-  ODC_DELEGATE(device_of(t).type(), send(t, dst, tag));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::recv(std::vector<at::Tensor>& t, int src, int tag) {
-  ODC_DELEGATE(device_of(t).type(), recv(t, src, tag));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::recvAnysource(std::vector<at::Tensor>& t, int tag) {
-  ODC_DELEGATE(device_of(t).type(), recvAnysource(t, tag));
-}
-c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o) {
-  // A host barrier (the CPU inner backend) unless a CUDA device is named; then the barrier
-  // also orders device work, as NCCL's does. A build without CUDA has no CUDA side: its
-  // barrier is a host barrier whatever device_ids say (what gloo does).
-  if (kBuiltWithCuda && ((o.device && o.device->is_cuda()) || !o.device_ids.empty())) {
-    const c10::Device device =
-        o.device && o.device->is_cuda()
-            ? *o.device
-            : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(o.device_ids[0]));
-    if (serves_itself(device)) return own_barrier(device);
-    ODC_DELEGATE(c10::kCUDA, barrier(o));
-  }
-  if (serves_itself(c10::Device(c10::kCPU))) return own_barrier(c10::Device(c10::kCPU));
-  ODC_DELEGATE(c10::kCPU, barrier(o));
-}
-
-#undef ODC_SERVE_OR_DELEGATE
-#undef ODC_DELEGATE
 
 const char* stat_name(Stat s) {
   static const char* const names[] = {

@@ -32,11 +32,12 @@ using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::
 using SplitFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
     const c10::intrusive_ptr<c10d::Store>&, int, int, const c10::intrusive_ptr<odc::Options>&)>;
 
-// Argument helpers shared by the backend's collectives (backend.cpp, own_collectives.cpp).
+// Argument helpers shared by the backend's collectives (checks.cpp).
 DType to_dtype(at::ScalarType t, const char* api);  // TypeError for a dtype odc cannot reduce
 const char* reduce_op_name(const c10d::ReduceOp& op);  // "BAND"
 bool is_bitwise(const c10d::ReduceOp& op);           // BAND, BOR, BXOR
 std::string describe(const at::Tensor& t);         // "float32[4, 8] on cuda:0"
+c10::Device device_of(const std::vector<at::Tensor>& ts);  // the first tensor's (ValueError: none)
 // Defined, on `device`, contiguous: else a ValueError naming `api` and `what`.
 void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
                   const char* what);

@@ -1,0 +1,85 @@
+// Layer 5, backend: registered memory on the c10d face (backend.hpp): allocate_tensor hands
+// out memory of the group's pool (pool.hpp), and a collective whose buffers lie in it runs
+// zero-copy.
+#include "backend.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/exception.h>
+
+#include "device_work.hpp"
+#include "text.hpp"
+
+namespace odc {
+
+bool OdcBackend::registered_inputs(Channel& ch, bool ag, const at::Tensor& in,
+                                   const at::Tensor& out, size_t per_rank,
+                                   std::vector<const char*>* in_at, RegisteredId* id) const {
+  // Only the buffers FSDP2 allocates for its collectives qualify, so that every rank takes
+  // the same path: an all-gather in place (its output a whole registered buffer, its input
+  // this rank's part of it), a reduce-scatter whose input is a whole registered buffer.
+  // Other tensors in registered memory (views of it, such as FSDP2's gradients) take the
+  // staged path: whether a view is registered can differ between ranks.
+  const RegisteredPool* pool = ch.pool.get();
+  const int rank = getRank(), world = getSize();
+  const size_t whole = per_rank * world;
+  size_t off = 0;
+  if (!pool || whole == 0) return false;
+  if (ag) {
+    if (static_cast<const char*>(in.data_ptr()) !=
+            static_cast<const char*>(out.data_ptr()) + static_cast<size_t>(rank) * per_rank ||
+        !pool->is_block(out.data_ptr(), whole, &off)) {
+      return false;
+    }
+  } else if (!pool->is_block(in.data_ptr(), whole, &off)) {
+    return false;
+  }
+  id->offset = off;
+  in_at->clear();
+  for (int r = 0; r < world; ++r) {
+    in_at->push_back(pool->base(r) + off + (ag ? static_cast<size_t>(r) * per_rank : 0));
+  }
+  return true;
+}
+
+at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
+  const c10::Device device = options.device();
+  ODC_CHECK(size >= 0, ValueError, "odc: allocate_tensor: negative size ", size);
+  ODC_CHECK(device.is_cpu() || device.is_cuda(), ValueError,
+            "odc: allocate_tensor: unsupported device ", device);
+  settle_default_backend_type();
+  std::shared_ptr<RegisteredPool> pool;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_usable();
+    Channel& ch = channel(device);
+    if (!ch.pool && ch.transport && ch.transport->maps_every_peer()) {
+      const size_t bytes = options_->pool_bytes_for(device.is_cuda());
+      int arena = 0;
+      try {
+        arena = ch.transport->create_arena(bytes);  // collective
+      } catch (const std::exception& e) {
+        C10_THROW_ERROR(DistBackendError,
+                        cat("odc: allocate_tensor: registered memory is set up by every rank of "
+                            "the group at its first allocate_tensor, and one did not take part: ",
+                            e.what()));
+      }
+      std::vector<char*> bases;
+      for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
+      ch.pool = std::make_shared<RegisteredPool>(std::move(bases), bytes, getRank(),
+                                                 stream_order(device));
+    }
+    pool = ch.pool;
+  }
+  const size_t bytes = static_cast<size_t>(size) * options.dtype().itemsize();
+  const size_t off = pool ? pool->allocate(bytes) : SIZE_MAX;
+  if (off == SIZE_MAX) {  // full (or no pool): ordinary memory, the staged path
+    count(Stat::RegisteredFallbacks, 1);
+    return at::empty({size}, options);
+  }
+  count(Stat::RegisteredAllocations, 1);
+  return at::from_blob(pool->base(getRank()) + off, {size},
+                       [pool, off](void*) { pool->free(off); }, options);
+}
+
+}  // namespace odc

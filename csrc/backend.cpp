@@ -209,25 +209,8 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
                                                const c10d::ReduceOp* op, const char* api) {
   const bool ag = kind == Kind::AllGather;
   const int world = getSize();
-  // ---- Validate everything before anything is enqueued.
-  ODC_CHECK(!inputs.empty() && inputs.size() == outputs.size(), ValueError, "odc: ", api,
-                    " needs as many outputs as inputs (got ", outputs.size(), " and ",
-                    inputs.size(), ")");
-  const c10::Device device = inputs[0].device();
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const at::Tensor& in = inputs[i];
-    const at::Tensor& out = outputs[i];
-    check_tensor(in, device, api, "input");
-    check_tensor(out, device, api, "output");
-    ODC_CHECK(in.scalar_type() == out.scalar_type(), TypeError, "odc: ", api,
-                     ": input and output dtype differ (", c10::toString(in.scalar_type()),
-                     " vs ", c10::toString(out.scalar_type()), ")");
-    const int64_t big = ag ? out.numel() : in.numel();
-    const int64_t small = ag ? in.numel() : out.numel();
-    ODC_CHECK(big == small * world, ValueError, "odc: ", api, ": size mismatch: ",
-                      ag ? "output" : "input", " has ", big, " elements but must have ",
-                      ag ? "input" : "output", " size x world size = ", small, " x ", world);
-  }
+  // Validate everything before anything is enqueued.
+  const c10::Device device = check_collective(outputs, inputs, ag, world, api);
   // One reduction spec per tensor (a coalesced call may mix dtypes); also checks the dtype.
   std::vector<ReduceSpec> specs(inputs.size());
   RedOp red_op = RedOp::Sum;

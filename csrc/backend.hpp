@@ -41,6 +41,11 @@ c10::Device device_of(const std::vector<at::Tensor>& ts);  // the first tensor's
 // Defined, on `device`, contiguous: else a ValueError naming `api` and `what`.
 void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
                   const char* what);
+// An all-gather's (ag) or reduce-scatter's tensors: as many outputs as inputs, each pair
+// checked, of one dtype, the sizes right for `world` ranks. Returns their device.
+c10::Device check_collective(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& inputs, bool ag, int world,
+                             const char* api);
 
 // The group's counters (stats()); counted on every collective, so an array of atomics, not a
 // map of names.

@@ -41,16 +41,11 @@ std::function<c10::intrusive_ptr<c10d::Backend>(Args...)> wrap_factory(py::objec
   };
 }
 
-}  // namespace
+using BackendClass = py::class_<odc::OdcBackend, c10d::Backend, c10::intrusive_ptr<odc::OdcBackend>>;
 
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "torch_odc_backend native core";
-  py::module::import("torch.distributed");  // registers c10d's Backend and Store types
-
-  py::class_<odc::OdcBackend, c10d::Backend, c10::intrusive_ptr<odc::OdcBackend>> backend(
-      m, "OdcBackend");
-  // One typed options object (c10d's Options pattern), bound once; config.py fills it from the
-  // ODC_* environment.
+// The options and their enums (c10d's Options pattern), bound once; config.py fills them
+// from the ODC_* environment.
+void bind_options(BackendClass& backend) {
   py::enum_<odc::TransportKind>(backend, "TransportKind", "How CUDA peers are reached (ODC_TRANSPORT).")
       .value("AUTO", odc::TransportKind::Auto)
       .value("NVSHMEM", odc::TransportKind::Nvshmem)
@@ -97,6 +92,11 @@ PYBIND11_MODULE(_C, m) {
       .def("clone", &O::clone)
       .def("__copy__", [](const O& o) { return o.clone(); })
       .def("__deepcopy__", [](const O& o, const py::dict&) { return o.clone(); });
+}
+
+// The backend: made by _backend.py's creator, with its statistics, arenas and claims.
+void bind_backend(BackendClass& backend) {
+  using O = odc::Options;
   backend
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        c10::intrusive_ptr<O> options, py::object inner_factory,
@@ -158,7 +158,9 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("device"), py::call_guard<py::gil_scoped_release>(),
           "The inner backend that takes this group's delegated collectives on a device type.");
+}
 
+void bind_arena(BackendClass& backend) {
   // Decoupled mode's arena: it holds its backend, whose transport holds its memory.
   using A = odc::DecoupledArena;
   py::class_<A, std::shared_ptr<A>>(backend, "Arena",
@@ -184,7 +186,10 @@ PYBIND11_MODULE(_C, m) {
       .def("side_stream", &A::side_stream,
            "CUDA: the arena's own stream for early reductions (cudaStream_t as int; 0 on CPU).")
       .def("size", &A::size, "Bytes of its shared layout on each rank.");
+}
 
+// What this build has, and the sizes of the shared-memory layouts.
+void bind_build(py::module& m) {
 #ifdef ODC_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else
@@ -211,7 +216,9 @@ PYBIND11_MODULE(_C, m) {
         return odc::ArenaLayout(world, shard_numel, param_elem_size, grad_numel).total;
       },
       py::arg("world"), py::arg("shard_numel"), py::arg("param_elem_size"), py::arg("grad_numel"));
+}
 
+void bind_nvshmem(py::module& m) {
 #ifdef ODC_WITH_NVSHMEM
   m.attr("built_with_nvshmem") = true;
   // NVSHMEM runtime (torch_odc_backend.nvshmem wraps these).
@@ -271,4 +278,17 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("built_with_nvshmem") = false;
 #endif
+}
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch_odc_backend native core";
+  py::module::import("torch.distributed");  // registers c10d's Backend and Store types
+
+  BackendClass backend(m, "OdcBackend");
+  bind_options(backend);
+  bind_backend(backend);
+  bind_arena(backend);
+  bind_build(m);
+  bind_nvshmem(m);
 }

@@ -115,4 +115,27 @@ c10::Device device_of(const std::vector<at::Tensor>& ts) {
   return ts[0].device();
 }
 
+c10::Device check_collective(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& inputs, bool ag, int world,
+                             const char* api) {
+  ODC_CHECK(!inputs.empty() && inputs.size() == outputs.size(), ValueError, "odc: ", api,
+            " needs as many outputs as inputs (got ", outputs.size(), " and ", inputs.size(), ")");
+  const c10::Device device = inputs[0].device();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& in = inputs[i];
+    const at::Tensor& out = outputs[i];
+    check_tensor(in, device, api, "input");
+    check_tensor(out, device, api, "output");
+    ODC_CHECK(in.scalar_type() == out.scalar_type(), TypeError, "odc: ", api,
+              ": input and output dtype differ (", c10::toString(in.scalar_type()), " vs ",
+              c10::toString(out.scalar_type()), ")");
+    const int64_t big = ag ? out.numel() : in.numel();
+    const int64_t small = ag ? in.numel() : out.numel();
+    ODC_CHECK(big == small * world, ValueError, "odc: ", api, ": size mismatch: ",
+              ag ? "output" : "input", " has ", big, " elements but must have ",
+              ag ? "input" : "output", " size x world size = ", small, " x ", world);
+  }
+  return device;
+}
+
 }  // namespace odc

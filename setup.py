@@ -33,8 +33,12 @@ HOST_SOURCES = [
     "csrc/decoupled.cpp",
     "csrc/bindings.cpp",
 ]
-CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csrc/cuda/puts.cpp",
-                "csrc/cuda/kernels.cu", "csrc/cuda/cuda_device_work.cpp"]
+CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csrc/cuda/event_pool.cpp",
+                "csrc/cuda/watchdog.cpp", "csrc/cuda/fused_engine.cpp", "csrc/cuda/copy_engine.cpp",
+                "csrc/cuda/signals.cpp", "csrc/cuda/puts.cpp", "csrc/cuda/kernels.cu",
+                "csrc/cuda/wait_kernels.cu", "csrc/cuda/reduce_kernels.cu", "csrc/cuda/fused_kernel.cu",
+                "csrc/cuda/accumulate_kernel.cu",
+                "csrc/cuda/cuda_device_work.cpp"]
 HOST_ONLY_SOURCES = ["csrc/host_only.cpp"]  # in a build without CUDA, in place of the CUDA sources
 
 def nvshmem_dirs():

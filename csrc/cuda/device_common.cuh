@@ -1,0 +1,162 @@
+// Layer 2, a transport's kernels: the device-side helpers every kernel file shares (waits on
+// a peer's counter with the group's timeout, error records, descriptor checks, dtype
+// conversions and the reductions' combine). Internal to cuda/*.cu (each gets its own copy).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels.cuh"
+
+namespace odc {
+namespace {
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Orders everything before it (this thread's accesses, and by cumulativity what it has
+// observed: earlier work on the stream, the block's steps before a __syncthreads) before
+// this thread's later stores. One MEMBAR.ALL.SYS: a signal point costs one fence, not one
+// per store (__threadfence_system is the costlier sequentially consistent MEMBAR.SC.SYS).
+__device__ __forceinline__ void fence_release() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The group's first failure wins: fill the record, then publish its code (the host reads
+// the fields once it sees the code). 1: a wait timed out, 2: a descriptor mismatch, 3: a
+// peer announced another collective (kernels.cuh, DeviceError).
+__device__ void record_error(DeviceError* err_ptr, int code, int peer, unsigned long long op_seq,
+                             const char* op, const char* what, unsigned long long mine,
+                             unsigned long long theirs, unsigned long long target,
+                             unsigned long long seen) {
+  volatile DeviceError* err = err_ptr;
+  if (err->code != 0) return;
+  err->peer = peer;
+  err->op_seq = op_seq;
+  err->mine = mine;
+  err->theirs = theirs;
+  err->target = target;
+  err->seen = seen;
+  err->op = op;
+  err->what = what;
+  __threadfence_system();
+  err->code = code;
+  __threadfence_system();
+}
+
+// Spin until *flag >= target. Returns false when the wait timed out (recorded in
+// err) or the group already failed (err->code set by another wait).
+// With watch.slots, also fail (code 3) as soon as the peer announced another collective
+// under the number of this rank's announcement (PeerWatch, layout.hpp).
+__device__ bool wait_counter(const uint64_t* flag, uint64_t target, uint64_t start,
+                             unsigned long long timeout_ns, DeviceError* err_ptr, int peer,
+                             unsigned long long op_seq, const char* op, const char* what,
+                             const PeerWatch& watch) {
+  volatile DeviceError* err = err_ptr;
+  uint64_t seen;
+  uint32_t iter = 0;
+  const uint64_t* watched = watch.slots ? watch.slot_of(peer) : nullptr;
+  while ((seen = load_acquire(flag)) < target) {
+    if ((++iter & 1023u) != 0) continue;
+    if (err->code != 0) return false;  // the group already failed: drain the stream quickly
+    if (watched) {
+      const uint64_t theirs = load_acquire(watched);
+      if (watch.differs(theirs)) {
+        record_error(err_ptr, 3, peer, op_seq, op, what, watch.word, theirs, 0, 0);
+        return false;
+      }
+    }
+    if (global_ns() - start > timeout_ns) {
+      record_error(err_ptr, 1, peer, op_seq, op, what, 0, 0, target, seen);
+      return false;
+    }
+  }
+  return true;
+}
+
+// After wait_counter saw the peer's counter reached (the same thread: its acquire orders
+// these reads after the peer's stores): false, with the mismatch recorded in err, when the
+// descriptor the peer stored with it differs from this rank's or came with another id (the
+// chunk's number, or a registered collective's RegisteredId).
+__device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
+                           unsigned long long chunk, DeviceError* err_ptr, int peer,
+                           unsigned long long op_seq, const char* op) {
+  const volatile uint64_t* d = reinterpret_cast<const volatile uint64_t*>(desc);
+  const unsigned long long theirs = d[0], their_chunk = d[1];
+  if (theirs == expected && their_chunk == chunk) return true;
+  record_error(err_ptr, 2, peer, op_seq, op, nullptr, expected, theirs, chunk, their_chunk);
+  return false;
+}
+
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+
+// Accumulation type of a reduction: fp32 for the 16/32-bit floats, fp64 for float64,
+// int64 for integers (protocol.hpp, ReduceSpec).
+template <typename T> struct AccOf { using type = long long; };
+template <> struct AccOf<float> { using type = float; };
+template <> struct AccOf<__nv_bfloat16> { using type = float; };
+template <> struct AccOf<__half> { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+template <typename T, typename A> __device__ __forceinline__ A to_acc(T v) { return static_cast<A>(v); }
+template <> __device__ __forceinline__ float to_acc<__nv_bfloat16, float>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ float to_acc<__half, float>(__half v) { return __half2float(v); }
+template <typename T, typename A> __device__ __forceinline__ T from_acc(A v) { return static_cast<T>(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
+
+template <Combine C, typename A>
+__device__ __forceinline__ A combine(A a, A b) {
+  if constexpr (C == Combine::Sum) {
+    return a + b;
+  } else if constexpr (C == Combine::Product) {
+    return a * b;
+  } else {
+    if (a != a) return a;  // NaN wins
+    if (b != b) return b;
+    return C == Combine::Max ? (b > a ? b : a) : (b < a ? b : a);
+  }
+}
+}  // namespace
+
+// Each kernel file's part of preload_kernels (kernels.cu).
+cudaError_t preload_wait_kernels();
+cudaError_t preload_fused_kernel();
+void resolve_fused_launch(int device);
+cudaError_t preload_accumulate_kernels();
+cudaError_t preload_reduce_kernels(int device);
+
+}  // namespace odc

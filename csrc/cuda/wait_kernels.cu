@@ -1,0 +1,99 @@
+// Layer 2, a transport's kernels (kernels.cuh): the one-warp kernels of the copy engines'
+// steps: waits and signals (flag_kernel), and the gate and signal nodes of puts' graphs.
+#include "device_common.cuh"
+
+namespace odc {
+namespace {
+
+__global__ void flag_kernel(FlagOp op) {
+  const int t = threadIdx.x;
+  if (t == 0) {  // one thread: the payloads, one fence, then the counters (FlagOp)
+    bool fenced = false;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int b = 0; b < kSignalBatches; ++b) {
+        if (op.n_signal[b] == 0 || op.payload[b] != (pass == 0)) continue;
+        if (pass == 1 && !fenced) {
+          fence_release();
+          fenced = true;
+        }
+        for (int i = 0; i < op.n_signal[b]; ++i) store_relaxed(op.signal[b][i], op.signal_value[b]);
+      }
+    }
+  }
+  if (op.n_wait == 0) return;
+  const uint64_t start = global_ns();
+  for (int i = t; i < op.n_wait; i += blockDim.x) {
+    if (!wait_counter(op.wait[i], op.wait_target, start, op.timeout_ns, op.err, op.wait_peer[i],
+                      op.op_seq, op.op, op.what, PeerWatch{op.watch_slots, op.watch_word})) {
+      return;
+    }
+    if (op.desc_expected && !check_desc(op.desc[i], op.desc_expected, op.desc_id, op.err,
+                                        op.wait_peer[i], op.op_seq, op.op)) {
+      return;
+    }
+  }
+}
+
+__global__ void gate_kernel(const __grid_constant__ GateOp g) {
+  __shared__ int failed;
+  volatile DeviceError* err = g.err;
+  if (threadIdx.x == 0) failed = err->code != 0;  // the group failed: nothing more into peers' memory
+  __syncthreads();
+  if (failed) return;
+  const uint64_t start = global_ns();
+  for (int i = threadIdx.x; i < g.n; i += blockDim.x) {
+    if (!wait_counter(g.flag[i], g.target, start, g.timeout_ns, g.err, g.peer[i], g.op_seq, g.op,
+                      g.what, PeerWatch{g.watch_slots, g.watch_word}) ||
+        (g.desc_expected && !check_desc(g.desc[i], g.desc_expected, g.desc_id, g.err, g.peer[i],
+                                        g.op_seq, g.op))) {
+      failed = 1;
+    }
+  }
+  __syncthreads();
+  if (failed || threadIdx.x != 0 || err->code != 0) return;
+  for (int i = 0; i < g.n; ++i) g.go[i] = g.target;  // ordered before the graph's next nodes
+  cudaGraphSetConditional(g.cond, 1);
+}
+
+__global__ void put_signal_kernel(const __grid_constant__ PutSignalOp p) {
+  if (threadIdx.x != 0) return;
+  fence_release();  // the copies (complete: graph order) before the counters, as a flag kernel
+  for (int i = 0; i < p.n; ++i) store_relaxed(p.done[i], p.go[i]);
+}
+
+}  // namespace
+
+namespace {
+// One block of 32 threads running `fn` with args = {&its one parameter}.
+cudaKernelNodeParams one_warp_node(void* fn, void** args) {
+  cudaKernelNodeParams p{};
+  p.func = fn;
+  p.gridDim = dim3(1);
+  p.blockDim = dim3(32);
+  p.sharedMemBytes = 0;
+  p.kernelParams = args;
+  p.extra = nullptr;
+  return p;
+}
+}  // namespace
+
+cudaKernelNodeParams gate_node_params(void** args) {
+  return one_warp_node(reinterpret_cast<void*>(&gate_kernel), args);
+}
+
+cudaKernelNodeParams put_signal_node_params(void** args) {
+  return one_warp_node(reinterpret_cast<void*>(&put_signal_kernel), args);
+}
+
+cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream) {
+  flag_kernel<<<1, 32, 0, stream>>>(op);
+  return cudaGetLastError();
+}
+
+
+cudaError_t preload_wait_kernels() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, flag_kernel);
+}
+
+}  // namespace odc

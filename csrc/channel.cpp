@@ -123,6 +123,82 @@ bool shared_by_ranks(const TransportArgs& a, const std::vector<std::vector<uint8
 }  // namespace
 #endif
 
+namespace {
+// The CUDA transport of `ch` (none where the group spans hosts no odc transport connects).
+void set_cuda_transport(Channel& ch, const TransportArgs& a, const Options& options) {
+#ifdef ODC_WITH_CUDA
+  const odc::Options& o = options;
+  const c10::Device device = ch.device;
+  const int rank = a.rank, size = a.world;
+  // Per peer: CUDA IPC on this host; NVSHMEM for peers on other hosts (ODC_HOST_SIZE),
+  // or for every peer with ODC_TRANSPORT=nvshmem.
+  std::vector<int> pes(options.global_ranks_in_group.begin(), options.global_ranks_in_group.end());
+  std::vector<bool> routed(size, false);
+  for (int r = 0; r < size; ++r) routed[r] = o.routes_peer(pes[rank], pes[r]);
+  // CUDA IPC reaches only this host's GPUs: a peer on another host (by name, or by
+  // ODC_HOST_SIZE) that NVSHMEM does not route leaves the group to the inner NCCL group.
+  const auto places = gpu_places(a, device.index());
+  if (spans_hosts(ch, host_labels(a, o),
+                  [&](int q, int r) { return o.routes_peer(pes[q], pes[r]); },
+                  o.transport == TransportKind::CudaIpc
+                      ? "ODC_TRANSPORT=ipc keeps odc's CUDA transport inside a host"
+                      : (kBuiltWithNvshmem ? "ODC_HOST_SIZE does not split the hosts where their names do"
+                                           : "this build has no NVSHMEM, odc's only transport between GPUs of different hosts"))) {
+    return;
+  }
+  std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
+  const std::vector<int64_t> group(pes.begin(), pes.end());
+  if (o.uses_nvshmem(group)) {
+#ifdef ODC_WITH_NVSHMEM
+    memory = nvshmem::make_memory(std::move(pes), std::move(routed), device.index(),
+                                  options.nvshmem_stage_always);
+#else
+    ODC_CHECK(false, ValueError, "odc: ",
+              o.transport == TransportKind::Nvshmem ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
+              " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
+#endif
+  }
+  bool other_gpus = false;  // some peer on another GPU of this host (CUDA IPC over NVLink)
+  int on_gpu = 0;           // ranks of the group on this GPU (their kernels share its SMs)
+  for (int r = 0; r < size; ++r) {
+    other_gpus = other_gpus || (!routed[r] && places[r] != places[rank]);
+    on_gpu += !routed[r] && places[r] == places[rank];
+  }
+  ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), o.reduce_blocks,
+                                                    o.accumulate_blocks, o.small_op_bytes,
+                                                    o.fused_blocks, on_gpu,
+                                                    o.stream_memops, other_gpus, std::move(memory));
+  ch.async_stream = take_async_stream(device.index());
+  ch.shares_device = shared_by_ranks(a, places);
+  // Every rank alike: the places are the group's, and every rank routes or not by the
+  // same knobs. Pushes need every peer's memory mapped (no routed peer).
+  bool own_gpus = size >= 3;
+  for (int r = 0; r < size; ++r) {
+    own_gpus = own_gpus && !routed[r];
+    for (int q = 0; q < r; ++q) own_gpus = own_gpus && places[q] != places[r];
+  }
+  ch.push_all_gather = o.ag_push == 1 || (o.ag_push < 0 && own_gpus);
+#else
+  ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
+                     "built against a CPU-only torch); rebuild it where torch has CUDA");
+#endif
+}
+
+// The shared-memory transport of `ch` (none where the group spans hosts).
+void set_host_transport(Channel& ch, const TransportArgs& a, const Options& options) {
+  ODC_CHECK(ch.device.is_cpu(), ValueError, "odc: unsupported device ", ch.device,
+                    " (odc moves CPU and CUDA tensors)");
+  // Shared memory reaches only this host's processes: a group with ranks on several
+  // hosts (by name, or by ODC_HOST_SIZE) leaves its CPU tensors to the inner gloo group.
+  if (spans_hosts(ch, host_labels(a, options), [](int, int) { return false; },
+                  "odc moves CPU tensors through one host's shared memory only")) {
+    return;
+  }
+  ch.transport = std::make_unique<ShmTransport>(a);
+  ch.push_all_gather = options.ag_push == 1;
+}
+}  // namespace
+
 Channel make_channel(const c10::Device& device, const Options& options,
                      std::shared_ptr<const std::atomic<int64_t>> timeout_ms,
                      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {
@@ -140,71 +216,9 @@ Channel make_channel(const c10::Device& device, const Options& options,
   try {
     a.layout = WindowLayout(size, chunk, slots);
     if (cuda) {
-#ifdef ODC_WITH_CUDA
-      const odc::Options& o = options;
-      // Per peer: CUDA IPC on this host; NVSHMEM for peers on other hosts (ODC_HOST_SIZE),
-      // or for every peer with ODC_TRANSPORT=nvshmem.
-      std::vector<int> pes(options.global_ranks_in_group.begin(), options.global_ranks_in_group.end());
-      std::vector<bool> routed(size, false);
-      for (int r = 0; r < size; ++r) routed[r] = o.routes_peer(pes[rank], pes[r]);
-      // CUDA IPC reaches only this host's GPUs: a peer on another host (by name, or by
-      // ODC_HOST_SIZE) that NVSHMEM does not route leaves the group to the inner NCCL group.
-      const auto places = gpu_places(a, device.index());
-      if (spans_hosts(ch, host_labels(a, o),
-                      [&](int q, int r) { return o.routes_peer(pes[q], pes[r]); },
-                      o.transport == TransportKind::CudaIpc
-                          ? "ODC_TRANSPORT=ipc keeps odc's CUDA transport inside a host"
-                          : (kBuiltWithNvshmem ? "ODC_HOST_SIZE does not split the hosts where their names do"
-                                               : "this build has no NVSHMEM, odc's only transport between GPUs of different hosts"))) {
-        return ch;
-      }
-      std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
-      const std::vector<int64_t> group(pes.begin(), pes.end());
-      if (o.uses_nvshmem(group)) {
-#ifdef ODC_WITH_NVSHMEM
-        memory = nvshmem::make_memory(std::move(pes), std::move(routed), device.index(),
-                                      options.nvshmem_stage_always);
-#else
-        ODC_CHECK(false, ValueError, "odc: ",
-                  o.transport == TransportKind::Nvshmem ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
-                  " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
-#endif
-      }
-      bool other_gpus = false;  // some peer on another GPU of this host (CUDA IPC over NVLink)
-      int on_gpu = 0;           // ranks of the group on this GPU (their kernels share its SMs)
-      for (int r = 0; r < size; ++r) {
-        other_gpus = other_gpus || (!routed[r] && places[r] != places[rank]);
-        on_gpu += !routed[r] && places[r] == places[rank];
-      }
-      ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), o.reduce_blocks,
-                                                        o.accumulate_blocks, o.small_op_bytes,
-                                                        o.fused_blocks, on_gpu,
-                                                        o.stream_memops, other_gpus, std::move(memory));
-      ch.async_stream = take_async_stream(device.index());
-      ch.shares_device = shared_by_ranks(a, places);
-      // Every rank alike: the places are the group's, and every rank routes or not by the
-      // same knobs. Pushes need every peer's memory mapped (no routed peer).
-      bool own_gpus = size >= 3;
-      for (int r = 0; r < size; ++r) {
-        own_gpus = own_gpus && !routed[r];
-        for (int q = 0; q < r; ++q) own_gpus = own_gpus && places[q] != places[r];
-      }
-      ch.push_all_gather = o.ag_push == 1 || (o.ag_push < 0 && own_gpus);
-#else
-      ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
-                         "built against a CPU-only torch); rebuild it where torch has CUDA");
-#endif
+      set_cuda_transport(ch, a, options);
     } else {
-      ODC_CHECK(device.is_cpu(), ValueError, "odc: unsupported device ", device,
-                        " (odc moves CPU and CUDA tensors)");
-      // Shared memory reaches only this host's processes: a group with ranks on several
-      // hosts (by name, or by ODC_HOST_SIZE) leaves its CPU tensors to the inner gloo group.
-      if (spans_hosts(ch, host_labels(a, options), [](int, int) { return false; },
-                      "odc moves CPU tensors through one host's shared memory only")) {
-        return ch;
-      }
-      ch.transport = std::make_unique<ShmTransport>(a);
-      ch.push_all_gather = options.ag_push == 1;
+      set_host_transport(ch, a, options);
     }
   } catch (const c10::Error&) {
     throw;
@@ -214,6 +228,7 @@ Channel make_channel(const c10::Device& device, const Options& options,
                 " transport of group '", options.group_name, "' (", a.layout.total >> 20,
                 " MiB window): ", e.what());
   }
+  if (!ch.transport) return ch;  // ranks on several hosts: the inner backend serves the group
   ch.protocol = std::make_unique<Protocol>(rank, size, a.layout, ch.transport.get());
   return ch;
 }

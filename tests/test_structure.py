@@ -117,6 +117,55 @@ def test_no_module_over_500_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
+CSRC = ROOT / "csrc"
+MAX_FUNCTION_LINES = 80
+
+
+def top_level_functions(text: str):
+    """(first line, line count, signature) of each function defined at the top level of a
+    C++/CUDA file (a line at column 0 with a parenthesis whose body opens with a brace)."""
+    lines = text.split("\n")
+    skip = (" ", "/", "#", "}", "namespace", "struct", "class", "template", "using",
+            "static_assert", "enum", "constexpr")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line and not line.startswith(skip) and "(" in line:
+            j = i
+            while j < len(lines) and "{" not in lines[j] and not lines[j].rstrip().endswith(";"):
+                j += 1
+            if j < len(lines) and "{" in lines[j]:
+                depth, k = 0, j
+                while k < len(lines):
+                    depth += lines[k].count("{") - lines[k].count("}")
+                    if depth <= 0:
+                        break
+                    k += 1
+                yield i + 1, k - i + 1, line.strip()
+                i = k + 1
+                continue
+        i += 1
+
+
+def test_native_sources_are_short():
+    sources = [p for p in CSRC.rglob("*") if p.suffix in (".cpp", ".hpp", ".cu", ".cuh")]
+    long_files = {str(p.relative_to(ROOT)): n for p in sources
+                  if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long_files, f"files over {MAX_LINES} lines: {long_files}"
+    long_functions = [f"{p.relative_to(ROOT)}:{first} ({n} lines) {sig[:60]}" for p in sources
+                      for first, n, sig in top_level_functions(p.read_text()) if n > MAX_FUNCTION_LINES]
+    assert not long_functions, "functions over 80 lines:\n" + "\n".join(long_functions)
+
+
+def test_the_function_finder_measures_bodies():
+    text = "int f(int a,\n      int b) {\n  if (a) {\n    return b;\n  }\n  return a;\n}\nint g();\n"
+    assert list(top_level_functions(text)) == [(1, 7, "int f(int a,")]
+
+
+def test_the_c10d_face_holds_no_device_code():
+    assert "#ifdef" not in (CSRC / "backend.cpp").read_text()
+
+
 def test_results_folder_stays_small():
     # one current headline file (JSON + PNG) per benchmark and machine kind; git keeps the rest
     results = PACKAGE_DIR.parent / "benchmarks" / "results"

@@ -15,8 +15,9 @@ namespace odc {
 // ---- The copy-engine engine: each lane on its own stream, forked from and joined
 // back to the operation's stream.
 
-void CudaIpcTransport::run_on_copy_engines() {
-  std::vector<PutRun> puts;  // each run of puts with its graph, made before anything is enqueued
+// Each run of puts with its graph, made before anything is enqueued.
+std::vector<CudaIpcTransport::PutRun> CudaIpcTransport::prepare_put_runs() {
+  std::vector<PutRun> puts;
   for (size_t i = 0; i < steps_.size(); ++i) {
     if (!steps_[i].guarded) continue;
     if (puts.empty()) retire_puts();
@@ -25,11 +26,14 @@ void CudaIpcTransport::run_on_copy_engines() {
     puts.push_back(prepare_puts(i, end));
     i = end - 1;
   }
-  size_t next_puts = 0;
-  // Data on one lane only (a zero-copy all-gather of 2 ranks, any zero-copy reduce-scatter):
-  // nothing to overlap, so every lane runs on the operation's stream in issue order (which
-  // is deadlock-free, see below). Fewer launches and no fork or join; waits and signals of
-  // one point share a flag kernel.
+  return puts;
+}
+
+// Data on one lane only (a zero-copy all-gather of 2 ranks, any zero-copy reduce-scatter):
+// nothing to overlap, so every lane runs on the operation's stream in issue order (which
+// is deadlock-free, see issue_step). Fewer launches and no fork or join; waits and signals
+// of one point share a flag kernel. Returns whether it merged the lanes.
+bool CudaIpcTransport::merge_lanes_if_one_carries_data() {
   int data_lane = -1;
   bool one_data_lane = !memory_->any_routed();
   for (const Step& s : steps_) {
@@ -40,6 +44,13 @@ void CudaIpcTransport::run_on_copy_engines() {
   if (one_data_lane) {
     for (Step& s : steps_) s.lane = 0;
   }
+  return one_data_lane;
+}
+
+void CudaIpcTransport::run_on_copy_engines() {
+  std::vector<PutRun> puts = prepare_put_runs();
+  size_t next_puts = 0;
+  const bool one_lane = merge_lanes_if_one_carries_data();
   cur_ = &lanes_for(op_stream_);
   cudaEvent_t start = nullptr;
   if (wait_value_) {
@@ -47,59 +58,21 @@ void CudaIpcTransport::run_on_copy_engines() {
     check(cudaEventRecord(start, op_stream_), "recording an event");
     op_waits_.clear();
   }
-  if (!one_data_lane) check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
+  if (!one_lane) check(cudaEventRecord(cur_->fork, op_stream_), "recording the fork event");
   std::fill(lane_used_.begin(), lane_used_.end(), false);
   flagged_.assign(a_.world, false);
   ce_reduce_blocks_ = 0;
-  std::vector<uint64_t*> sigs;
+  std::vector<uint64_t*> sigs;  // scratch, reused from step to step
   std::vector<const void*> srcs;
   for (size_t i = 0; i < steps_.size(); ++i) {
-    const Step& s = steps_[i];
-    if (s.guarded) {  // a run of puts: one graph on the op stream
+    if (steps_[i].guarded) {  // a run of puts: one graph on the op stream
       size_t end = i;
       while (end < steps_.size() && steps_[end].guarded) ++end;
       issue_puts(puts[next_puts++]);
       i = end - 1;
       continue;
     }
-    switch (s.kind) {
-      case kStepWait:
-        // Signals issued on other lanes before this wait go out first. Streams may share a
-        // hardware queue (few connections per process, fewer under MPS), and a queue runs
-        // in order: a signal held back behind this wait could then wait for it, and two
-        // ranks would wait for each other. Issue order itself is deadlock-free (the
-        // protocol's chunk-major order), so keeping every queue in issue order is too.
-        for (int lane = 0; lane < a_.world; ++lane) {
-          if (lane != s.lane) flush_signals(lane);
-        }
-        launch_flags(s.lane, &s);
-        break;
-      case kStepSignal:
-      case kStepStore:
-        sigs.clear();
-        for (int i = 0; i < s.n; ++i) {
-          sigs.push_back(static_cast<uint64_t*>(const_cast<void*>(ptrs_[s.first + i])));
-        }
-        issue_signal(s.lane, sigs, s.value, /*payload=*/s.kind == kStepStore);
-        break;
-      case kStepCopy:
-        issue_copy(s.lane, s.dst, s.src, s.value);
-        break;
-      case kStepReduce:
-        srcs.assign(ptrs_.begin() + s.first, ptrs_.begin() + s.first + s.n);
-        issue_reduce(s.lane, s.dst, srcs, s.value, s.spec);
-        break;
-      case kStepAccumulate:  // never to a routed peer: refused when the arena is created
-        issue_prepare(s.lane);
-        check(launch_accumulate(static_cast<float*>(s.dst), s.src, s.value, s.spec.dtype,
-                                accumulate_blocks_, lane_stream(s.lane)),
-              "launching the accumulation");
-        break;
-      case kStepZero:
-        issue_prepare(s.lane);
-        check(cudaMemsetAsync(s.dst, 0, s.value, lane_stream(s.lane)), "cudaMemsetAsync");
-        break;
-    }
+    issue_step(steps_[i], sigs, srcs);
   }
   for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
   // The SMs it may hold at once: its largest reduction, and a flag kernel per lane that ran one.
@@ -110,17 +83,63 @@ void CudaIpcTransport::run_on_copy_engines() {
     check(cudaEventRecord(cur_->join[lane - 1], cur_->side[lane - 1]), "recording a join event");
     check(cudaStreamWaitEvent(op_stream_, cur_->join[lane - 1], 0), "joining a lane");
   }
-  if (wait_value_) {
-    Tracked t;
-    t.start = start;
-    t.end = events_->take();
-    check(cudaEventRecord(t.end, op_stream_), "recording an event");
-    t.waits = std::move(op_waits_);
-    t.watch = watch_;
-    op_waits_ = {};
-    std::lock_guard<std::mutex> lk(wd_mu_);
-    tracked_.push_back(std::move(t));
+  if (wait_value_) track_for_watchdog(start);
+}
+
+// One recorded step on its lane's stream (sigs, srcs: scratch).
+void CudaIpcTransport::issue_step(const Step& s, std::vector<uint64_t*>& sigs,
+                                  std::vector<const void*>& srcs) {
+  switch (s.kind) {
+    case kStepWait:
+      // Signals issued on other lanes before this wait go out first. Streams may share a
+      // hardware queue (few connections per process, fewer under MPS), and a queue runs
+      // in order: a signal held back behind this wait could then wait for it, and two
+      // ranks would wait for each other. Issue order itself is deadlock-free (the
+      // protocol's chunk-major order), so keeping every queue in issue order is too.
+      for (int lane = 0; lane < a_.world; ++lane) {
+        if (lane != s.lane) flush_signals(lane);
+      }
+      launch_flags(s.lane, &s);
+      break;
+    case kStepSignal:
+    case kStepStore:
+      sigs.clear();
+      for (int i = 0; i < s.n; ++i) {
+        sigs.push_back(static_cast<uint64_t*>(const_cast<void*>(ptrs_[s.first + i])));
+      }
+      issue_signal(s.lane, sigs, s.value, /*payload=*/s.kind == kStepStore);
+      break;
+    case kStepCopy:
+      issue_copy(s.lane, s.dst, s.src, s.value);
+      break;
+    case kStepReduce:
+      srcs.assign(ptrs_.begin() + s.first, ptrs_.begin() + s.first + s.n);
+      issue_reduce(s.lane, s.dst, srcs, s.value, s.spec);
+      break;
+    case kStepAccumulate:  // never to a routed peer: refused when the arena is created
+      issue_prepare(s.lane);
+      check(launch_accumulate(static_cast<float*>(s.dst), s.src, s.value, s.spec.dtype,
+                              accumulate_blocks_, lane_stream(s.lane)),
+            "launching the accumulation");
+      break;
+    case kStepZero:
+      issue_prepare(s.lane);
+      check(cudaMemsetAsync(s.dst, 0, s.value, lane_stream(s.lane)), "cudaMemsetAsync");
+      break;
   }
+}
+
+// The watchdog watches the operation's device-side waits from `start` to its end.
+void CudaIpcTransport::track_for_watchdog(cudaEvent_t start) {
+  Tracked t;
+  t.start = start;
+  t.end = events_->take();
+  check(cudaEventRecord(t.end, op_stream_), "recording an event");
+  t.waits = std::move(op_waits_);
+  t.watch = watch_;
+  op_waits_ = {};
+  std::lock_guard<std::mutex> lk(wd_mu_);
+  tracked_.push_back(std::move(t));
 }
 
 cudaStream_t CudaIpcTransport::lane_stream(int lane) const {

@@ -167,6 +167,10 @@ class CudaIpcTransport final : public Transport {
   bool plan_fused_blocks();
   void run_fused();
   void run_on_copy_engines();
+  std::vector<PutRun> prepare_put_runs();
+  bool merge_lanes_if_one_carries_data();
+  void issue_step(const Step& s, std::vector<uint64_t*>& sigs, std::vector<const void*>& srcs);
+  void track_for_watchdog(cudaEvent_t start);
 
   cudaStream_t lane_stream(int lane) const;
   void flush_signals(int lane);

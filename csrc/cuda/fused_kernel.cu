@@ -108,6 +108,60 @@ __device__ __forceinline__ bool needs_all_blocks(const FusedStep& s) {
   return s.kind == kStepCopy || s.kind == kStepReduce || (s.kind == kStepWait && s.desc != 0);
 }
 
+// A signal point of a lane: the run of stores (payloads, first: run_fused orders them so) and
+// signals from step i; returns where the run ends. One thread stores the payloads, fences
+// once, and stores the counters: where the lane moved data (or checked a descriptor) since
+// its last point, that of the last block to arrive (after every block's steps), which becomes
+// the lane's leader; else the leader's. Then the others leave (`leave`, shared) if no such
+// step is left to them: a block never waits on peers for nothing, so blocks not resident yet
+// (SMs taken by other kernels) get to run.
+__device__ __forceinline__ int signal_point(const FusedOp& op, int lane, int i, int parts,
+                                            int point, bool& lead, int& leave) {
+  const int lane_end = op.lane_begin[lane + 1];
+  int end = i;
+  while (end < lane_end && (op.steps[end].kind == kStepStore || op.steps[end].kind == kStepSignal)) ++end;
+  bool data_before = false, data_after = false;
+  for (int k = i - 1; k >= op.lane_begin[lane] && !(op.steps[k].kind == kStepStore ||
+                                                    op.steps[k].kind == kStepSignal); --k) {
+    data_before = data_before || needs_all_blocks(op.steps[k]);
+  }
+  for (int k = end; k < lane_end; ++k) data_after = data_after || needs_all_blocks(op.steps[k]);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (parts > 1 && data_before) lead = last_to_arrive(op.arrivals + lane * kFusedMaxSteps + point, parts);
+    leave = !lead && !data_after;
+    if (lead) {
+      bool fenced = false;
+      for (int k = i; k < end; ++k) {
+        const FusedStep& t = op.steps[k];
+        if (t.kind == kStepSignal && !fenced) {
+          fence_release();
+          fenced = true;
+        }
+        for (int j = 0; j < t.n; ++j) {
+          store_relaxed(static_cast<uint64_t*>(const_cast<void*>(op.ptrs[t.first + j])), t.value);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  return end;
+}
+
+// This block's part of a reduction step (sums of fp32 / bf16 / fp16 only: fusable()).
+__device__ __forceinline__ void reduce_step(const FusedOp& op, const FusedStep& s, int part, int parts) {
+  const float scale = s.scale_ptr ? *s.scale_ptr : s.scale;
+  const void* const* srcs = op.ptrs + s.first;
+  size_t b, e;  // multiples of 8 elements: 16-byte vectors of every fused dtype
+  slice_of(s.value, 8, part, parts, &b, &e);
+  switch (static_cast<DType>(s.dtype)) {
+    case DType::F32: block_reduce<float>(s.dst, srcs, s.n, b, e, scale); break;
+    case DType::BF16: block_reduce<__nv_bfloat16>(s.dst, srcs, s.n, b, e, scale); break;
+    case DType::F16: block_reduce<__half>(s.dst, srcs, s.n, b, e, scale); break;
+    default: break;
+  }
+}
+
 __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_constant__ FusedOp op) {
   __shared__ int failed, leave;
   if (threadIdx.x == 0) failed = 0;
@@ -137,47 +191,11 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
         if (failed) return;  // the error is recorded; later steps would read garbage
         break;
       case kStepStore:
-      case kStepSignal: {
-        // A signal point: the run of stores (payloads, first: run_fused orders them so) and
-        // signals from here. One thread stores the payloads, fences once, and stores the
-        // counters: where the lane moved data (or checked a descriptor) since its last point,
-        // that of the last block to arrive (after every block's steps), which becomes the lane's
-        // leader; else the leader's. Then the others leave if no such step is left to them: a
-        // block never waits on peers for nothing, so blocks not resident yet (SMs taken by other
-        // kernels) get to run.
-        const int lane_end = op.lane_begin[lane + 1];
-        int end = i;
-        while (end < lane_end && (op.steps[end].kind == kStepStore || op.steps[end].kind == kStepSignal)) ++end;
-        bool data_before = false, data_after = false;
-        for (int k = i - 1; k >= op.lane_begin[lane] && !(op.steps[k].kind == kStepStore ||
-                                                          op.steps[k].kind == kStepSignal); --k) {
-          data_before = data_before || needs_all_blocks(op.steps[k]);
-        }
-        for (int k = end; k < lane_end; ++k) data_after = data_after || needs_all_blocks(op.steps[k]);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          if (parts > 1 && data_before) lead = last_to_arrive(op.arrivals + lane * kFusedMaxSteps + point, parts);
-          leave = !lead && !data_after;
-          if (lead) {
-            bool fenced = false;
-            for (int k = i; k < end; ++k) {
-              const FusedStep& t = op.steps[k];
-              if (t.kind == kStepSignal && !fenced) {
-                fence_release();
-                fenced = true;
-              }
-              for (int j = 0; j < t.n; ++j) {
-                store_relaxed(static_cast<uint64_t*>(const_cast<void*>(op.ptrs[t.first + j])), t.value);
-              }
-            }
-          }
-        }
-        __syncthreads();
+      case kStepSignal:
+        i = signal_point(op, lane, i, parts, point, lead, leave) - 1;
         if (leave) return;
         ++point;
-        i = end - 1;
         break;
-      }
       case kStepCopy: {
         size_t b, e;  // 16-byte units, so that every block's piece keeps the copy's alignment
         slice_of(s.value, 16, part, parts, &b, &e);
@@ -185,20 +203,10 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
         __syncthreads();
         break;
       }
-      case kStepReduce: {
-        const float scale = s.scale_ptr ? *s.scale_ptr : s.scale;
-        const void* const* srcs = op.ptrs + s.first;
-        size_t b, e;  // multiples of 8 elements: 16-byte vectors of every fused dtype
-        slice_of(s.value, 8, part, parts, &b, &e);
-        switch (static_cast<DType>(s.dtype)) {  // fused: sums of these only (fusable())
-          case DType::F32: block_reduce<float>(s.dst, srcs, s.n, b, e, scale); break;
-          case DType::BF16: block_reduce<__nv_bfloat16>(s.dst, srcs, s.n, b, e, scale); break;
-          case DType::F16: block_reduce<__half>(s.dst, srcs, s.n, b, e, scale); break;
-          default: break;
-        }
+      case kStepReduce:
+        reduce_step(op, s, part, parts);
         __syncthreads();  // a following copy or signal sees the whole result
         break;
-      }
       default:  // accumulate / zero steps are never fused
         break;
     }

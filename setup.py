@@ -18,6 +18,7 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 HOST_SOURCES = [
     "csrc/layout.cpp",
     "csrc/transport.cpp",
+    "csrc/rendezvous.cpp",
     "csrc/transport_shm.cpp",
     "csrc/protocol.cpp",
     "csrc/arena.cpp",

@@ -1,7 +1,7 @@
 // Layer 4, channel: one transport + protocol per device type a group moves data on, and
 // the transport factory that makes them from the group's options. Depends on the options
-// (options.hpp), the protocol (protocol.hpp) and the transport interface; the concrete
-// transports (transport_shm.hpp, cuda/) only in channel.cpp.
+// (options.hpp), the protocol (protocol.hpp), registered memory's pool (pool.hpp) and the
+// transport interface; the concrete transports (transport_shm.hpp, cuda/) only in channel.cpp.
 #pragma once
 
 #include <c10/core/Device.h>

@@ -1,5 +1,5 @@
 // Layer 2, a transport: host shared memory (CPU tensors). Depends on the transport
-// interface (transport.hpp).
+// interface and its set-up (rendezvous.hpp, which includes transport.hpp).
 //
 // Host shared-memory transport: CPU tensors of ranks on one host. Each window
 // is a POSIX shared-memory segment mapped by every rank of the group; gets,

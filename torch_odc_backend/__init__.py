@@ -31,7 +31,7 @@ import torch
 __all__ = ["OdcBackend", "backend_stats", "balance", "built_with_cuda", "decouple", "last_microbatch",
            "metrics", "sync", "use_registered_memory"]
 
-BACKEND_NAME = "odc"
+from _torch_odc_backend_autoload import BACKEND_NAME  # noqa: E402 - "odc", named once
 
 # name -> (module, attribute or None for the module itself), imported on first access
 _LAZY = {

@@ -4,6 +4,8 @@ from decoupled mode, so that NVSHMEM's slab can be sized for a model before any 
 exists without the two modules importing each other."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -26,15 +28,37 @@ def _policies(model: torch.nn.Module) -> list:
     return [(m, pol) for m in modules if (pol := _fsdp_adapter.group_policy(m)) is not None]
 
 
+@dataclasses.dataclass
+class ArenaPlan:
+    """What decoupled mode reads from a fully_shard model, once: its parameter groups (FSDP
+    module, policy), their mesh, and per group the arena's shard elements, param-dtype element
+    size and accumulator elements."""
+    groups: list
+    mesh: object
+    sizes: tuple
+
+    def bytes(self) -> int:
+        """The arena's bytes on each rank (its shared layout)."""
+        return int(_C.arena_bytes(self.mesh.size(self.mesh.ndim - 1), *self.sizes))
+
+
+def plan_arena(model: torch.nn.Module, accumulate: str) -> ArenaPlan:
+    return plan_of_groups(_policies(model), accumulate)
+
+
+def plan_of_groups(groups: list, accumulate: str) -> ArenaPlan:
+    """The plan of groups already read (``_policies``)."""
+    if accumulate not in ("owner", "local"):
+        raise ValueError(f"odc arena_bytes: accumulate must be 'owner' or 'local', got {accumulate!r}")
+    mesh = groups[0][1].params[0].device_mesh
+    return ArenaPlan(groups, mesh, _arena_sizes([pol for _, pol in groups], accumulate))
+
+
 def arena_bytes(model: torch.nn.Module, accumulate: str = "owner") -> int:
     """Bytes of the shared arena ``odc.decouple(model, ..., accumulate=accumulate)`` creates on
     each rank: every group's published shard in the param dtype, plus its fp32 accumulator
     with ``"owner"``. Call after fully_shard (sizes NVSHMEM's slab before any group exists)."""
-    if accumulate not in ("owner", "local"):
-        raise ValueError(f"odc arena_bytes: accumulate must be 'owner' or 'local', got {accumulate!r}")
-    pols = [pol for _, pol in _policies(model)]
-    mesh = pols[0].params[0].device_mesh
-    return int(_C.arena_bytes(mesh.size(mesh.ndim - 1), *_arena_sizes(pols, accumulate)))
+    return plan_arena(model, accumulate).bytes()
 
 
 def _arena_sizes(policies, accumulate: str):

@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from ._core import _C
 from ._C import OdcBackend
-from ._arena_sizing import _arena_sizes, _policies
+from ._arena_sizing import _policies, plan_of_groups
 from ._arena_sizing import arena_bytes  # noqa: F401 - still importable from here, as before
 from ._decoupled_groups import _AllGather, _Group, _ReduceScatter
 from ._early_reduction import _EarlyReduction, reduction_order
@@ -85,13 +85,13 @@ def _require_state(model: torch.nn.Module, api: str) -> "DecoupledState":
     return state
 
 
-def _make_room_in_nvshmem_slab(model, accumulate: str) -> None:
+def _make_room_in_nvshmem_slab(plan) -> None:
     """Where odc's windows come from NVSHMEM's slab (routed peers), grow it for this
     model's windows and arena unless it has room (collective over the default group)."""
     from . import nvshmem
 
     if nvshmem.available() and _C.nvshmem_status()["slab_bytes"] > 0:
-        nvshmem.ensure_room(nvshmem.blocks_for(model, accumulate))
+        nvshmem.ensure_room(nvshmem.blocks_for_plan(plan))
 
 
 class DecoupledState:
@@ -101,7 +101,7 @@ class DecoupledState:
                  accumulate: str | None = None):
         if accumulate not in (None, "owner", "local"):
             raise ValueError(f"odc.decouple: accumulate must be 'owner' or 'local', got {accumulate!r}")
-        groups = _policies(model)
+        groups = _policies(model)  # the model is read here only
         first = groups[0][1].params[0]
         self.mesh = first.device_mesh
         # The mesh's device (the arena, the gets and adds); with CPU offload the parameters
@@ -151,9 +151,10 @@ class DecoupledState:
         self.totals = {"busy_s": 0.0, "sync_wait_s": 0.0, "minibatches": 0, "skipped_steps": 0,
                        "early_all_reduces": 0}
         self.last = {}
+        plan = plan_of_groups(groups, accumulate)
         if self.device.type == "cuda":
-            _make_room_in_nvshmem_slab(model, accumulate)
-        self.arena = backend.create_arena(self.device, *_arena_sizes([pol for _, pol in groups], accumulate))
+            _make_room_in_nvshmem_slab(plan)
+        self.arena = backend.create_arena(self.device, *plan.sizes)
         for g in self.groups:
             g.module.set_custom_all_gather(_AllGather(g))
             g.module.set_custom_reduce_scatter(_ReduceScatter(g))

@@ -84,11 +84,14 @@ def blocks_for(model, accumulate: str = "local") -> list[int]:
     """What a fully_shard model registers, block by block: a window for the world group and
     for each of its mesh's dimensions, then the decoupled-mode arena of ``odc.decouple(model,
     ..., accumulate=accumulate)`` ("local" is the mode that runs over NVSHMEM)."""
-    from ._arena_sizing import arena_bytes  # imports FSDP: only when a model is sized
+    from ._arena_sizing import plan_arena  # imports FSDP: only when a model is sized
 
-    arena = arena_bytes(model, accumulate)  # raises on a model without fully_shard modules
-    mesh = next(p for p in model.parameters()).device_mesh
-    return [_window_bytes(dist.get_world_size())] * (mesh.ndim + 1) + [arena]
+    return blocks_for_plan(plan_arena(model, accumulate))  # raises without fully_shard modules
+
+
+def blocks_for_plan(plan) -> list[int]:
+    """``blocks_for`` of a model already read (``_arena_sizing.ArenaPlan``)."""
+    return [_window_bytes(dist.get_world_size())] * (plan.mesh.ndim + 1) + [plan.bytes()]
 
 
 def _slab_holding(blocks: list[int]) -> int:

@@ -170,14 +170,13 @@ void set_cuda_transport(Channel& ch, const TransportArgs& a, const Options& opti
                                                     o.stream_memops, other_gpus, std::move(memory));
   ch.async_stream = take_async_stream(device.index());
   ch.shares_device = shared_by_ranks(a, places);
-  // Every rank alike: the places are the group's, and every rank routes or not by the
-  // same knobs. Pushes need every peer's memory mapped (no routed peer).
-  bool own_gpus = size >= 3;
+  // Pushes need every peer's memory mapped (no routed peer).
+  bool own_gpus = true;
   for (int r = 0; r < size; ++r) {
     own_gpus = own_gpus && !routed[r];
     for (int q = 0; q < r; ++q) own_gpus = own_gpus && places[q] != places[r];
   }
-  ch.push_all_gather = o.ag_push == 1 || (o.ag_push < 0 && own_gpus);
+  ch.push_all_gather = o.pushes_all_gathers(size, own_gpus);
 #else
   ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
                      "built against a CPU-only torch); rebuild it where torch has CUDA");

@@ -68,6 +68,13 @@ struct Options final : c10d::Backend::Options {
   int fused_blocks = 32;          // ODC_FUSED_BLOCKS: most CUDA blocks of one fused op
   bool stream_memops = false;     // ODC_STREAM_MEMOPS: CUDA waits/signals as stream memory ops
   int ag_push = -1;  // ODC_AG_PUSH: zero-copy all-gathers push shards (1), get them (0), auto (-1)
+  // Whether a group's zero-copy all-gathers push (ODC_AG_PUSH; auto: 3 ranks or more, each
+  // on a GPU of its own of this host, none routed). `own_gpus`: every rank of the group has a
+  // GPU of its own on this host and no peer is routed. The same on every rank (the places
+  // are the group's, and every rank routes by the same knobs).
+  bool pushes_all_gathers(int ranks, bool own_gpus) const {
+    return ag_push == 1 || (ag_push < 0 && ranks >= 3 && own_gpus);
+  }
   TransportKind transport = TransportKind::Auto;  // ODC_TRANSPORT
   int host_size = 0;  // ODC_HOST_SIZE: global ranks per host (g, h on one iff g / n == h / n)
   bool match_check = true;  // ODC_MATCH_CHECK: peers check each collective's descriptor

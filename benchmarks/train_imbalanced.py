@@ -565,7 +565,7 @@ def cross_host_traffic(mesh, shard_numel: int, device, cpu_group) -> dict:
             "backend": group._get_backend(device).name()}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", choices=("auto", "small", "qwen2-tiny", "qwen2-1.5b"), default="auto",
@@ -600,7 +600,14 @@ def main() -> int:
     args = p.parse_args()
     if args.trace_dir and not args.profile:
         p.error("--trace-dir writes the traces of --profile: add --profile")
+    if "reference_arpermicro_lbmicro" in args.configs.split(",") and args.hsdp == 1:
+        p.error("reference_arpermicro_lbmicro is an HSDP configuration: add --hsdp R")
+    return args
 
+
+def setup(args) -> SimpleNamespace:
+    """The process group, the device, the model's shape and builder, and the planning cost
+    model (before calibration) from the arguments (filled in where they were left out)."""
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # ranks may share GPUs (odc allows it; then leave out reference_lbmicro: NCCL does not)
@@ -614,7 +621,6 @@ def main() -> int:
         device = torch.device("cpu")
         dist.init_process_group("cpu:odc")
         ref_backend = "gloo"
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model_kind = args.model if args.model != "auto" else ("qwen2-1.5b" if use_cuda else "small")
@@ -643,156 +649,101 @@ def main() -> int:
                                                       linear_training_factor=4.0 if ac else 3.0)
     args.vocab = shape["vocab_size"]
 
-    cpu_group = dist.new_group(backend="gloo")
-    names = [n for n in args.configs.split(",") if n]
-    if "reference_arpermicro_lbmicro" in names and args.hsdp == 1:
-        p.error("reference_arpermicro_lbmicro is an HSDP configuration: add --hsdp R")
-    meshes = sharding_meshes(device, world, args.hsdp,
-                             ref_backend if any(n.startswith("reference") for n in names) else None)
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if use_cuda else MixedPrecisionPolicy())
+    return SimpleNamespace(use_cuda=use_cuda, device=device, ref_backend=ref_backend, world=world,
+                           rank=rank, model_kind=model_kind, gpu_scale=gpu_scale, docs_label=docs_label,
+                           shape=shape, build=build, cost=cost)
 
-    def build_sharded(mesh):
-        torch.manual_seed(args.seed)  # the same initial weights every time
-        with device:
-            model = build()
-        for layer in model.layers():
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
-        return model
 
-    docs = [make_documents(args.docs_per_step, args.seed * 100 + s, args.balanced, args.mean_len,
-                           args.max_tokens) for s in range(args.steps)]
-    warm_s = None
-    if model_kind.startswith("qwen2") and use_cuda:  # every document length of the run, and calibration's
-        heads = shape["num_attention_heads"]
-        warm_s = warm_attention([n for d in docs for n in d] + [n for c in calibration_set(args.max_tokens) for n in c],
-                                heads, shape["hidden_size"] // heads, device)
-        if rank == 0:
-            print(f"[train_imbalanced] attention plans for every document length built in {warm_s:.1f} s",
-                  flush=True)
-    calibration = None
-    if args.cost == "fitted":
-        model = build_sharded(meshes["odc"])
-        cost, calibration = calibrate(model, args, device, cpu_group)
-        del model
-        if rank == 0:
-            print(f"[train_imbalanced] calibrated microbatch time: {cost.a * 1e3:.1f} ms + "
-                  f"{cost.b * 1e6:.3f} us/token + {cost.c * 1e12:.3f} ps/token pair", flush=True)
-
-    # one plan per planner; a configuration's planner is its name's suffix
-    plans_by = {"lbmicro": [balance.lb_micro(d, world, args.max_tokens, cost) for d in docs],
-                "lbmini": [balance.lb_mini(d, world, args.max_tokens, cost) for d in docs],
-                # dynamic: planned in the run; this packing prices the perfect-balance bound
-                "dynamic": [balance.pack(d, args.max_tokens, cost) for d in docs]}
-    plans_by["adaptive"] = plans_by["dynamic"]  # planned in the run too
-    if args.hsdp > 1:  # each rank's largest microbatch last: its backward hides the cross-replica all-reduce
-        for name in ("lbmicro", "lbmini"):
-            plans_by[name] = [[list(reversed(rank_plan)) for rank_plan in plan] for plan in plans_by[name]]
-    plans = {name: plans_by[name.rsplit("_", 1)[1]] for name in names}
+def run_configuration(name, env, args, meshes, build_sharded, plans, docs, straggler, cost, cpu_group):
+    """Train one configuration: a warm-up minibatch, then the timed ones; every rank's
+    timings and losses merged (rank 0 prints them). Returns (merged result, this rank's
+    shard elements, the model's parameters)."""
+    use_cuda, device, world, rank = env.use_cuda, env.device, env.world, env.rank
+    model = opt = prof = None
+    decoupled = name.startswith("decoupled")
+    # FSDP2's reference cycles keep the previous configuration's model, gradients and
+    # optimizer state alive until a collection: without one they count in this one's peak
+    gc.collect()
+    if use_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        used_before = torch.cuda.mem_get_info(device)
+    mesh = meshes["reference" if name.startswith("reference") else "odc"]
+    model = build_sharded(mesh)
+    n_params = sum(q.numel() for q in model.parameters())  # global: DTensor numel
+    shard_numel = sum(q.to_local().numel() for q in model.parameters())  # this rank's
+    on = next(model.parameters()).device_mesh  # the mesh FSDP2 gave the parameters
+    moved_by = on.get_group(on.ndim - 1)._get_backend(device).name()
+    if moved_by != ("odc" if mesh is meshes["odc"] else env.ref_backend):
+        raise RuntimeError(f"{name}: the parameters' mesh moves {device.type} tensors with {moved_by}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if "_registered" in name:
+        odc.use_registered_memory(model)
+    if decoupled:
+        odc.decouple(model, opt, accumulate="local" if "_local" in name else "owner")
+    balancer = None
+    if name.endswith("_dynamic"):
+        balancer = balance.DynamicBalancer(name=name)
+    elif name.endswith("_adaptive"):  # each rank to its own queue; with HSDP its largest last
+        balancer = balance.DynamicBalancer(name=name, take_from_others=False, largest_last=args.hsdp > 1)
+    plan = plans[name]
+    run = dict(balancer=balancer, straggler=straggler, cost=cost,
+               hsdp_once=args.hsdp > 1 and name == "reference_lbmicro")
+    train_steps(model, opt, plan[:1], docs[:1], args, decoupled, device, cpu_group, **run)  # warm-up
+    before = odc.metrics(model) if decoupled else None
+    with profiled(args.profile and use_cuda) as prof:
+        times, timelines, losses = train_steps(model, opt, plan[1:], docs[1:], args, decoupled,
+                                               device, cpu_group, first_step=1, **run)
+    res = {"local_step_times_s": times, "local_losses": losses}
+    if prof is not None:
+        res["kernels"] = kernel_summary(prof)
+        if args.trace_dir:  # Chrome traces (gzip), one per configuration and rank
+            Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_rank{rank}.json.gz"))
+    if use_cuda:
+        free, total = torch.cuda.mem_get_info(device)
+        res.update(peak_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+                   peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
+                   device_used_gib=(total - free) / 2**30,
+                   device_used_growth_gib=(used_before[0] - free) / 2**30)
+    if decoupled:
+        after = odc.metrics(model)
+        busy = after["busy_s"] - before["busy_s"]
+        wait = after["sync_wait_s"] - before["sync_wait_s"]
+        res.update(odc_busy_s=busy, odc_sync_wait_s=wait, odc_bubble_rate=wait / (busy + wait))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (res, timelines), group=cpu_group)
+    per_rank, lines = [g[0] for g in gathered], [g[1] for g in gathered]
+    merged = {"step_times_s": [max(r["local_step_times_s"][k] for r in per_rank) for k in range(len(times))],
+              "loss_per_step": [sum(r["local_losses"][k] for r in per_rank) for k in range(len(times))],
+              "per_rank": per_rank, "timelines": lines,
+              "per_rank_microbatches": [[sum(1 for e in lines[r][k] if e[0] in ("micro", "dummy"))
+                                         for r in range(world)] for k in range(len(times))]}
+    # the minibatch's time: every rank done with odc.sync (the optimizer step follows)
+    merged["minibatch_times_s"] = [max(next(e[2] for e in lines[r][k] if e[0] == "sync")
+                                       for r in range(world)) for k in range(len(times))]
+    merged["mean_step_s"] = sum(merged["step_times_s"]) / len(times)
+    merged["tokens_per_s"] = sum(sum(d) for d in docs[1:]) / sum(merged["step_times_s"])
+    if use_cuda:
+        merged["peak_reserved_gib_max"] = max(r["peak_reserved_gib"] for r in per_rank)
+        merged["device_used_gib_max"] = max(r["device_used_gib"] for r in per_rank)
     if rank == 0:
-        n_tokens = sum(map(sum, docs))
-        straggling = f"; rank {args.straggler.replace(':', ' runs x')}" if args.straggler else ""
-        print(f"[train_imbalanced] {model_kind} ({shape['num_hidden_layers']} layers) on {world} x "
-              f"{torch.cuda.get_device_name(device) if use_cuda else 'cpu'}; {args.steps} minibatches "
-              f"of {args.docs_per_step} {'balanced' if args.balanced else 'long-tailed'} documents "
-              f"({n_tokens / args.steps:.0f} tokens each), <= {args.max_tokens} tokens per microbatch"
-              f"{straggling}", flush=True)
-    straggler = Straggler(args.straggler, rank, device, cost)
+        mem = f", peak reserved {merged['peak_reserved_gib_max']:.1f} GiB" if use_cuda else ""
+        odcb = (f", time in odc.sync {100 * sum(r['odc_bubble_rate'] for r in per_rank) / world:.1f}%"
+                if decoupled else "")
+        print(f"[train_imbalanced] {name:22s} {merged['tokens_per_s']:9.0f} tokens/s, "
+              f"step {merged['mean_step_s'] * 1e3:8.1f} ms{mem}{odcb}; loss per step "
+              + " ".join(f"{v:.4f}" for v in merged["loss_per_step"]), flush=True)
+    del model, opt
+    if use_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
-    results = {}
-    for name in names:
-        decoupled = name.startswith("decoupled")
-        # FSDP2's reference cycles keep the previous configuration's model, gradients and
-        # optimizer state alive until a collection: without one they count in this one's peak
-        model = opt = run = prof = None
-        gc.collect()
-        if use_cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            used_before = torch.cuda.mem_get_info(device)
-        mesh = meshes["reference" if name.startswith("reference") else "odc"]
-        model = build_sharded(mesh)
-        n_params = sum(q.numel() for q in model.parameters())  # global: DTensor numel
-        shard_numel = sum(q.to_local().numel() for q in model.parameters())  # this rank's
-        on = next(model.parameters()).device_mesh  # the mesh FSDP2 gave the parameters
-        moved_by = on.get_group(on.ndim - 1)._get_backend(device).name()
-        if moved_by != ("odc" if mesh is meshes["odc"] else ref_backend):
-            raise RuntimeError(f"{name}: the parameters' mesh moves {device.type} tensors with {moved_by}")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        if "_registered" in name:
-            odc.use_registered_memory(model)
-        if decoupled:
-            odc.decouple(model, opt, accumulate="local" if "_local" in name else "owner")
-        balancer = None
-        if name.endswith("_dynamic"):
-            balancer = balance.DynamicBalancer(name=name)
-        elif name.endswith("_adaptive"):  # each rank to its own queue; with HSDP its largest last
-            balancer = balance.DynamicBalancer(name=name, take_from_others=False, largest_last=args.hsdp > 1)
-        plan = plans[name]
-        run = dict(balancer=balancer, straggler=straggler, cost=cost,
-                   hsdp_once=args.hsdp > 1 and name == "reference_lbmicro")
-        train_steps(model, opt, plan[:1], docs[:1], args, decoupled, device, cpu_group, **run)  # warm-up
-        before = odc.metrics(model) if decoupled else None
-        with profiled(args.profile and use_cuda) as prof:
-            times, timelines, losses = train_steps(model, opt, plan[1:], docs[1:], args, decoupled,
-                                                   device, cpu_group, first_step=1, **run)
-        res = {"local_step_times_s": times, "local_losses": losses}
-        if prof is not None:
-            res["kernels"] = kernel_summary(prof)
-            if args.trace_dir:  # Chrome traces (gzip), one per configuration and rank
-                Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-                prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_rank{rank}.json.gz"))
-        if use_cuda:
-            free, total = torch.cuda.mem_get_info(device)
-            res.update(peak_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30,
-                       peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
-                       device_used_gib=(total - free) / 2**30,
-                       device_used_growth_gib=(used_before[0] - free) / 2**30)
-        if decoupled:
-            after = odc.metrics(model)
-            busy = after["busy_s"] - before["busy_s"]
-            wait = after["sync_wait_s"] - before["sync_wait_s"]
-            res.update(odc_busy_s=busy, odc_sync_wait_s=wait, odc_bubble_rate=wait / (busy + wait))
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (res, timelines), group=cpu_group)
-        per_rank, lines = [g[0] for g in gathered], [g[1] for g in gathered]
-        merged = {"step_times_s": [max(r["local_step_times_s"][k] for r in per_rank) for k in range(len(times))],
-                  "loss_per_step": [sum(r["local_losses"][k] for r in per_rank) for k in range(len(times))],
-                  "per_rank": per_rank, "timelines": lines,
-                  "per_rank_microbatches": [[sum(1 for e in lines[r][k] if e[0] in ("micro", "dummy"))
-                                             for r in range(world)] for k in range(len(times))]}
-        # the minibatch's time: every rank done with odc.sync (the optimizer step follows)
-        merged["minibatch_times_s"] = [max(next(e[2] for e in lines[r][k] if e[0] == "sync")
-                                           for r in range(world)) for k in range(len(times))]
-        merged["mean_step_s"] = sum(merged["step_times_s"]) / len(times)
-        merged["tokens_per_s"] = sum(sum(d) for d in docs[1:]) / sum(merged["step_times_s"])
-        if use_cuda:
-            merged["peak_reserved_gib_max"] = max(r["peak_reserved_gib"] for r in per_rank)
-            merged["device_used_gib_max"] = max(r["device_used_gib"] for r in per_rank)
-        results[name] = merged
-        if rank == 0:
-            mem = f", peak reserved {merged['peak_reserved_gib_max']:.1f} GiB" if use_cuda else ""
-            odcb = (f", time in odc.sync {100 * sum(r['odc_bubble_rate'] for r in per_rank) / world:.1f}%"
-                    if decoupled else "")
-            print(f"[train_imbalanced] {name:22s} {merged['tokens_per_s']:9.0f} tokens/s, "
-                  f"step {merged['mean_step_s'] * 1e3:8.1f} ms{mem}{odcb}; loss per step "
-                  + " ".join(f"{v:.4f}" for v in merged["loss_per_step"]), flush=True)
-        del model, opt
-        if use_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+    return merged, shard_numel, n_params
 
-    cross_host = None
-    if args.hsdp > 1:  # the replicate all-reduce's bytes and time (the reference's group; odc's is its inner one)
-        cross_host = cross_host_traffic(meshes.get("reference", meshes["odc"]), shard_numel, device, cpu_group)
-        cross_host["allreduces_per_minibatch"] = {
-            n: (max(c for c in r["per_rank_microbatches"][0]) if n == "reference_arpermicro_lbmicro" else 1)
-            for n, r in results.items()}
-        if rank == 0:
-            print(f"[train_imbalanced] cross-replica all-reduce: {cross_host['bytes_per_rank_per_allreduce'] / 2**30:.2f}"
-                  f" GiB per rank in {cross_host['allreduce_s']:.3f} s ({cross_host['busbw_gbps']:.2f} GB/s bus, "
-                  f"{cross_host['backend']})", flush=True)
+
+def summarize(results, plans_by, docs, cost, world, straggler, args, use_cuda) -> dict:
+    """Speedups, the ideal and the balance bound, bubble rates, memory ratios."""
     summary = {}
     timed_docs = docs[1:]
     if any(n.startswith("decoupled") for n in results) and (
@@ -828,32 +779,126 @@ def main() -> int:
                 summary[f"peak_memory_ratio_{tag}_vs_reference"] = (
                     results[name]["peak_reserved_gib_max"] / base["peak_reserved_gib_max"])
         summary["bubble_rate"] = {n: r["bubble_rate"] for n, r in results.items()}
+    return summary
+
+
+def make_plans(docs, world, args, cost, names):
+    """Every planner's plans of the minibatches (plans_by), and each configuration's (its
+    name's suffix names its planner)."""
+    plans_by = {"lbmicro": [balance.lb_micro(d, world, args.max_tokens, cost) for d in docs],
+                "lbmini": [balance.lb_mini(d, world, args.max_tokens, cost) for d in docs],
+                # dynamic: planned in the run; this packing prices the perfect-balance bound
+                "dynamic": [balance.pack(d, args.max_tokens, cost) for d in docs]}
+    plans_by["adaptive"] = plans_by["dynamic"]  # planned in the run too
+    if args.hsdp > 1:  # each rank's largest microbatch last: its backward hides the cross-replica all-reduce
+        for name in ("lbmicro", "lbmini"):
+            plans_by[name] = [[list(reversed(rank_plan)) for rank_plan in plan] for plan in plans_by[name]]
+    plans = {name: plans_by[name.rsplit("_", 1)[1]] for name in names}
+    return plans_by, plans
+
+
+def write_result(args, env, device, world, n_params, calibration, warm_s, cost, cross_host, docs,
+                 results, summary) -> None:
+    """Rank 0: the result file (benchmarks/results/train_imbalanced_<kind>_<date>.json)."""
+    shape = env.shape
+    kind = _meta.machine_kind(device, world)
+    if args.hsdp > 1:  # emulated or real hosts: one replica a host (ODC_HOST_SIZE says so)
+        kind += f"-{args.hsdp}hosts" if os.environ.get("ODC_HOST_SIZE") else f"-hsdp{args.hsdp}"
+    if not os.environ.get("ODC_BENCH_KIND"):  # unless the caller names the kind
+        kind += env.docs_label  # another minibatch size than the default: its own result file
+    suffix = ("_balanced" if args.balanced else "") + ("_straggler" if args.straggler else "")
+    out = _meta.result_path(args.out_dir, "train_imbalanced", kind, suffix)
+    out.write_text(json.dumps({
+        "benchmark": "train_imbalanced", "kind": kind, "world_size": world, "model": env.model_kind,
+        "model_shape": shape, "parameters": n_params, "device": str(device.type),
+        **_meta.stamp(device, world), "args": vars(args), "calibration": calibration,
+        "attention_warmup_s": warm_s,
+        "cost_model": (dataclasses.asdict(cost) if dataclasses.is_dataclass(cost) else str(cost)),
+        "hsdp_replicas": args.hsdp, "odc_host_size": os.environ.get("ODC_HOST_SIZE"),
+        "nccl_hostid": os.environ.get("NCCL_HOSTID"), "cross_host": cross_host,
+        "documents": docs, "results": results, "summary": summary}, indent=1))
+    print(f"[train_imbalanced] wrote {out}", flush=True)
+
+
+def main() -> int:
+    args = parse_args()
+    env = setup(args)
+    use_cuda, device, world, rank = env.use_cuda, env.device, env.world, env.rank
+    shape, build, cost = env.shape, env.build, env.cost
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    cpu_group = dist.new_group(backend="gloo")
+    names = [n for n in args.configs.split(",") if n]
+    meshes = sharding_meshes(device, world, args.hsdp,
+                             env.ref_backend if any(n.startswith("reference") for n in names) else None)
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if use_cuda else MixedPrecisionPolicy())
+
+    def build_sharded(mesh):
+        torch.manual_seed(args.seed)  # the same initial weights every time
+        with device:
+            model = build()
+        for layer in model.layers():
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+
+    docs = [make_documents(args.docs_per_step, args.seed * 100 + s, args.balanced, args.mean_len,
+                           args.max_tokens) for s in range(args.steps)]
+    warm_s = None
+    if env.model_kind.startswith("qwen2") and use_cuda:  # every document length of the run, and calibration's
+        heads = shape["num_attention_heads"]
+        warm_s = warm_attention([n for d in docs for n in d] + [n for c in calibration_set(args.max_tokens) for n in c],
+                                heads, shape["hidden_size"] // heads, device)
+        if rank == 0:
+            print(f"[train_imbalanced] attention plans for every document length built in {warm_s:.1f} s",
+                  flush=True)
+    calibration = None
+    if args.cost == "fitted":
+        model = build_sharded(meshes["odc"])
+        cost, calibration = calibrate(model, args, device, cpu_group)
+        del model
+        if rank == 0:
+            print(f"[train_imbalanced] calibrated microbatch time: {cost.a * 1e3:.1f} ms + "
+                  f"{cost.b * 1e6:.3f} us/token + {cost.c * 1e12:.3f} ps/token pair", flush=True)
+
+    plans_by, plans = make_plans(docs, world, args, cost, names)
+    if rank == 0:
+        n_tokens = sum(map(sum, docs))
+        straggling = f"; rank {args.straggler.replace(':', ' runs x')}" if args.straggler else ""
+        print(f"[train_imbalanced] {env.model_kind} ({shape['num_hidden_layers']} layers) on {world} x "
+              f"{torch.cuda.get_device_name(device) if use_cuda else 'cpu'}; {args.steps} minibatches "
+              f"of {args.docs_per_step} {'balanced' if args.balanced else 'long-tailed'} documents "
+              f"({n_tokens / args.steps:.0f} tokens each), <= {args.max_tokens} tokens per microbatch"
+              f"{straggling}", flush=True)
+    straggler = Straggler(args.straggler, rank, device, cost)
+
+    results = {}
+    for name in names:
+        results[name], shard_numel, n_params = run_configuration(name, env, args, meshes, build_sharded, plans,
+                                                       docs, straggler, cost, cpu_group)
+
+    cross_host = None
+    if args.hsdp > 1:  # the replicate all-reduce's bytes and time (the reference's group; odc's is its inner one)
+        cross_host = cross_host_traffic(meshes.get("reference", meshes["odc"]), shard_numel, device, cpu_group)
+        cross_host["allreduces_per_minibatch"] = {
+            n: (max(c for c in r["per_rank_microbatches"][0]) if n == "reference_arpermicro_lbmicro" else 1)
+            for n, r in results.items()}
+        if rank == 0:
+            print(f"[train_imbalanced] cross-replica all-reduce: {cross_host['bytes_per_rank_per_allreduce'] / 2**30:.2f}"
+                  f" GiB per rank in {cross_host['allreduce_s']:.3f} s ({cross_host['busbw_gbps']:.2f} GB/s bus, "
+                  f"{cross_host['backend']})", flush=True)
+    summary = summarize(results, plans_by, docs, cost, world, straggler, args, use_cuda)
     if rank == 0:
         for k, v in summary.items():
             if not isinstance(v, dict):
                 print(f"[train_imbalanced] {k}: {v:.3f}" if isinstance(v, float) else f"[train_imbalanced] {k}: {v}")
         print("[train_imbalanced] bubble rate: "
               + ", ".join(f"{n} {100 * b:.1f}%" for n, b in summary.get("bubble_rate", {}).items()), flush=True)
-        kind = _meta.machine_kind(device, world)
-        if args.hsdp > 1:  # emulated or real hosts: one replica a host (ODC_HOST_SIZE says so)
-            kind += f"-{args.hsdp}hosts" if os.environ.get("ODC_HOST_SIZE") else f"-hsdp{args.hsdp}"
-        if not os.environ.get("ODC_BENCH_KIND"):  # unless the caller names the kind
-            kind += docs_label  # another minibatch size than the default: its own result file
-        suffix = ("_balanced" if args.balanced else "") + ("_straggler" if args.straggler else "")
-        out = _meta.result_path(args.out_dir, "train_imbalanced", kind, suffix)
-        out.write_text(json.dumps({
-            "benchmark": "train_imbalanced", "kind": kind, "world_size": world, "model": model_kind,
-            "model_shape": shape, "parameters": n_params, "device": str(device.type),
-            **_meta.stamp(device, world), "args": vars(args), "calibration": calibration,
-            "attention_warmup_s": warm_s,
-            "cost_model": (dataclasses.asdict(cost) if dataclasses.is_dataclass(cost) else str(cost)),
-            "hsdp_replicas": args.hsdp, "odc_host_size": os.environ.get("ODC_HOST_SIZE"),
-            "nccl_hostid": os.environ.get("NCCL_HOSTID"), "cross_host": cross_host,
-            "documents": docs, "results": results, "summary": summary}, indent=1))
-        print(f"[train_imbalanced] wrote {out}", flush=True)
+        write_result(args, env, device, world, n_params, calibration, warm_s, cost, cross_host, docs,
+                     results, summary)
     dist.destroy_process_group()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -519,7 +519,7 @@ def analyse(results, plans_by, docs, cost, world, slowdowns):
 def sharding_meshes(device, world: int, replicas: int, ref_backend: str | None):
     """odc's mesh (the default group's backend) and the reference's (groups of
     ``ref_backend``): 1-D, or with ``replicas`` > 1 HSDP (replicas, world / replicas)."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
     if world % replicas:
         raise SystemExit(f"--hsdp {replicas}: the world size {world} is not a multiple of it")
@@ -528,17 +528,10 @@ def sharding_meshes(device, world: int, replicas: int, ref_backend: str | None):
     # Distinct dim names: meshes of one shape compare equal otherwise, and FSDP2 then gave the
     # second model's parameters the first mesh (seen on torch 2.13: odc runs moved by gloo).
     meshes = {"odc": init_device_mesh(device.type, shape, mesh_dim_names=tuple(f"odc_{d}" for d in dims))}
-    if ref_backend is None:
-        return meshes
-    ranks = torch.arange(world).view(shape)
-    mine = []
-    for dim in range(len(shape)):
-        for row in ranks.movedim(dim, -1).reshape(-1, shape[dim]).tolist():
-            group = dist.new_group(row, backend=ref_backend)  # every rank makes every group
-            if dist.get_rank() in row:
-                mine.append(group)
-    meshes["reference"] = DeviceMesh.from_group(mine if len(mine) > 1 else mine[0], device.type,
-                                                mesh=ranks, mesh_dim_names=tuple(f"reference_{d}" for d in dims))
+    if ref_backend is not None:  # the same shape on groups of NCCL (gloo on CPU)
+        names = tuple(f"reference_{d}" for d in dims)
+        meshes["reference"] = init_device_mesh(device.type, shape, mesh_dim_names=names,
+                                               backend_override={n: ref_backend for n in names})
     return meshes
 
 

@@ -190,11 +190,7 @@ void bind_arena(BackendClass& backend) {
 
 // What this build has, and the sizes of the shared-memory layouts.
 void bind_build(py::module& m) {
-#ifdef ODC_WITH_CUDA
-  m.attr("built_with_cuda") = true;
-#else
-  m.attr("built_with_cuda") = false;
-#endif
+  m.attr("built_with_cuda") = odc::kBuiltWithCuda;
 
   // Sizes of the shared-memory layouts, for sizing NVSHMEM's slab before groups exist.
   m.attr("default_chunk_bytes_cuda") = odc::kDefaultChunkCuda;

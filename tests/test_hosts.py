@@ -75,18 +75,10 @@ def test_gpu_peers_on_other_hosts_are_served_by_nccl():
 
 def _mesh_on(backend, device, shape, names):
     """A DeviceMesh of the world's ranks in ``shape`` on groups of ``backend`` (gloo, nccl)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-    ranks = torch.arange(dist.get_world_size()).view(shape)
-    mine = []
-    for dim in range(len(shape)):
-        for row in ranks.movedim(dim, -1).reshape(-1, shape[dim]).tolist():
-            g = dist.new_group(row, backend=backend)  # every rank makes every group
-            if dist.get_rank() in row:
-                mine.append(g)
-    return DeviceMesh.from_group(mine if len(shape) > 1 else mine[0], device, mesh=ranks,
-                                 mesh_dim_names=names)
+    return init_device_mesh(device, shape, mesh_dim_names=names,
+                            backend_override={n: backend for n in names})
 
 
 def _two_hosts_worker(rank, world, device="cpu", reference="gloo"):

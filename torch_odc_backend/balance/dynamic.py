@@ -283,18 +283,19 @@ class MinibatchClaims:
         self._front += granted
         return [i for item in items[f:f + granted] for i in item]
 
+    def _left(self, v: int) -> int:
+        """Items left in rank v's queue (a read of its counter); a queue found empty is
+        remembered as such (counters only grow)."""
+        remaining = len(self._items[v]) - self._take(f"taken{v}", 0)
+        if remaining <= 0:
+            self._empty.add(v)
+        return remaining
+
     def _steal(self) -> list[int] | None:
         me = self._balancer.rank
         while True:
-            left = []
-            for v in range(self._balancer.world_size):
-                if v == me or v in self._empty:
-                    continue
-                remaining = len(self._items[v]) - self._take(f"taken{v}", 0)
-                if remaining > 0:
-                    left.append((remaining, -v))
-                else:
-                    self._empty.add(v)
+            left = [(n, -v) for v in range(self._balancer.world_size)
+                    if v != me and v not in self._empty and (n := self._left(v)) > 0]
             if not left:
                 return None
             victim = -max(left)[1]
@@ -311,13 +312,8 @@ class MinibatchClaims:
         ``odc.last_microbatch(model)`` before its backward starts the cross-replica
         all-reduces there. False while an item is left, even one another rank will take."""
         me = self._balancer.rank
-        for v in range(self._balancer.world_size):
-            if v in self._empty or (v != me and not self._balancer.take_from_others):
-                continue
-            if len(self._items[v]) - self._take(f"taken{v}", 0) > 0:
-                return False
-            self._empty.add(v)  # counters only grow: it stays empty
-        return True
+        return not any(self._left(v) > 0 for v in range(self._balancer.world_size)
+                       if v not in self._empty and (v == me or self._balancer.take_from_others))
 
     def __next__(self) -> list[int]:
         if self._done:

@@ -27,6 +27,7 @@ HOST_SOURCES = [
     "csrc/work.cpp",
     "csrc/device_work.cpp",
     "csrc/backend.cpp",
+    "csrc/placement.cpp",
     "csrc/checks.cpp",
     "csrc/registered.cpp",
     "csrc/delegated.cpp",
@@ -39,7 +40,7 @@ CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csr
                 "csrc/cuda/signals.cpp", "csrc/cuda/puts.cpp", "csrc/cuda/kernels.cu",
                 "csrc/cuda/wait_kernels.cu", "csrc/cuda/reduce_kernels.cu", "csrc/cuda/fused_kernel.cu",
                 "csrc/cuda/accumulate_kernel.cu",
-                "csrc/cuda/cuda_device_work.cpp"]
+                "csrc/cuda/cuda_device_work.cpp", "csrc/cuda/cuda_setup.cpp"]
 HOST_ONLY_SOURCES = ["csrc/host_only.cpp"]  # in a build without CUDA, in place of the CUDA sources
 
 def nvshmem_dirs():
@@ -108,7 +109,9 @@ cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter"]  # torch picks the C++ sta
 if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     sources, macros, include_dirs, link_args = HOST_SOURCES + CUDA_SOURCES, [("ODC_WITH_CUDA", None)], [], []
-    if with_nvshmem:
+    if not with_nvshmem:
+        sources.append("csrc/cuda/nvshmem_absent.cpp")  # its make_memory refuses
+    else:
         dirs = nvshmem_dirs()
         if dirs is None or not os.path.exists(os.path.join(dirs[0], "nvshmem_host.h")):
             raise SystemExit("ODC_WITH_NVSHMEM=1: NVSHMEM not found; set NVSHMEM_HOME or "

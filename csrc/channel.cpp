@@ -1,92 +1,28 @@
-// Layer 4, channel: the transport factory (channel.hpp). Picks and sets up a device's
-// transport from the options: host shared memory for CPU tensors; for CUDA tensors the CUDA
-// transport over CUDA IPC memory, or over NVSHMEM's heap where options route some peer; none
-// where the group's ranks are on several hosts that these do not connect.
+// Layer 4, channel: the choice of a device's transport (channel.hpp). Where the ranks are
+// (placement.hpp) and the options pick it: host shared memory for CPU tensors; for CUDA
+// tensors the CUDA transport (cuda_setup.hpp) over CUDA IPC memory, or over NVSHMEM's heap
+// where options route some peer; none where the group's ranks are on several hosts that
+// these do not connect.
 #include "channel.hpp"
 
-#include <unistd.h>
-
-#include <algorithm>
-#include <cstring>
-#include <functional>
-#include <map>
-#include <mutex>
+#include <string>
 #include <vector>
 
+#include "cuda_setup.hpp"
+#include "placement.hpp"
 #include "text.hpp"
 #include "transport_shm.hpp"
-#ifdef ODC_WITH_NVSHMEM
-#include "cuda/nvshmem_runtime.hpp"
-#endif
-
-#ifdef ODC_WITH_CUDA
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-
-#include "cuda/cuda_transport.hpp"
-#endif
 
 namespace odc {
 
 namespace {
-std::vector<uint8_t> this_host() {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return std::vector<uint8_t>(host, host + std::strlen(host));
-}
-
-// Every rank's host, as each rank labels its own: its host name, and with ODC_HOST_SIZE its
-// block of global ranks too (emulated hosts on one machine share a name). Ranks with
-// different labels are on different hosts; every rank sees the same labels (collective).
-std::vector<std::string> host_labels(const TransportArgs& a, const Options& o) {
-  const std::vector<uint8_t> name = this_host();
-  std::string mine(name.begin(), name.end());
-  const int64_t g = o.global_ranks_in_group.empty() ? a.rank : o.global_ranks_in_group[a.rank];
-  if (o.host_size > 0) mine += cat(" #", g / o.host_size);
-  std::vector<std::string> labels;
-  for (const auto& l : exchange_blobs(a, "host", std::vector<uint8_t>(mine.begin(), mine.end()))) {
-    labels.emplace_back(l.begin(), l.end());
-  }
-  return labels;
-}
-
-// "'a' (ranks 0, 1), 'b' (ranks 2, 3)": the group's ranks by host, hosts in order of their
-// first rank.
-std::string describe_hosts(const std::vector<std::string>& labels) {
-  std::vector<std::string> hosts;
-  std::vector<std::string> ranks;
-  for (size_t r = 0; r < labels.size(); ++r) {
-    const size_t h = std::find(hosts.begin(), hosts.end(), labels[r]) - hosts.begin();
-    if (h == hosts.size()) {
-      hosts.push_back(labels[r]);
-      ranks.emplace_back();
-    }
-    ranks[h] += cat(ranks[h].empty() ? "" : ", ", r);
-  }
-  std::string out;
-  for (size_t h = 0; h < hosts.size(); ++h) {
-    out += cat(h ? ", '" : "'", hosts[h], "' (rank", ranks[h].find(',') == std::string::npos ? " " : "s ",
-               ranks[h], ")");
-  }
-  return out;
-}
-
-// Marks the channel as spanning hosts odc does not connect when some two ranks that `routed`
-// does not connect otherwise are on different hosts: its collectives then go to the inner
-// backend. Decided over every pair, so that every rank decides alike.
-bool spans_hosts(Channel& ch, const std::vector<std::string>& labels,
-                 const std::function<bool(int, int)>& routed, std::string why) {
-  const int n = static_cast<int>(labels.size());
-  for (int r = 0; r < n; ++r) {
-    for (int q = 0; q < r; ++q) {
-      if (labels[q] != labels[r] && !routed(q, r)) {
-        ch.hosts = describe_hosts(labels);
-        ch.hosts_why = std::move(why);
-        return true;
-      }
-    }
-  }
-  return false;
+// Marks the channel as spanning hosts odc does not connect (the placement says which): its
+// collectives then go to the inner backend.
+bool spans_hosts(Channel& ch, const Placement& p, std::string why) {
+  if (p.unconnected_hosts.empty()) return false;
+  ch.hosts = p.unconnected_hosts;
+  ch.hosts_why = std::move(why);
+  return true;
 }
 }  // namespace
 
@@ -100,87 +36,44 @@ std::string cross_host_refusal(const Channel& ch, const Options& options, const 
              "docs/multi_host.md");
 }
 
-#ifdef ODC_WITH_CUDA
-namespace {
-// Every rank's place: its host name, then '/' and its GPU's UUID.
-std::vector<std::vector<uint8_t>> gpu_places(const TransportArgs& a, int device) {
-  cudaDeviceProp prop;
-  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  std::vector<uint8_t> mine = this_host();
-  mine.push_back('/');
-  mine.insert(mine.end(), prop.uuid.bytes, prop.uuid.bytes + sizeof(prop.uuid.bytes));
-  return exchange_blobs(a, "device", mine);
-}
-
-// Whether another rank of the group uses this GPU (host name and device UUID compared):
-// NCCL refuses such groups, so odc then serves the inner backend's collectives itself.
-bool shared_by_ranks(const TransportArgs& a, const std::vector<std::vector<uint8_t>>& places) {
-  for (int r = 0; r < a.world; ++r) {
-    if (r != a.rank && places[r] == places[a.rank]) return true;
-  }
-  return false;
-}
-}  // namespace
-#endif
-
 namespace {
 // The CUDA transport of `ch` (none where the group spans hosts no odc transport connects).
-void set_cuda_transport(Channel& ch, const TransportArgs& a, const Options& options) {
-#ifdef ODC_WITH_CUDA
-  const odc::Options& o = options;
-  const c10::Device device = ch.device;
-  const int rank = a.rank, size = a.world;
+void set_cuda_transport(Channel& ch, const TransportArgs& a, const Options& o) {
+  ODC_CHECK(kBuiltWithCuda, Error, "odc: this build of torch_odc_backend has no CUDA support (it "
+            "was built against a CPU-only torch); rebuild it where torch has CUDA");
+  const int device = ch.device.index();
   // Per peer: CUDA IPC on this host; NVSHMEM for peers on other hosts (ODC_HOST_SIZE),
-  // or for every peer with ODC_TRANSPORT=nvshmem.
-  std::vector<int> pes(options.global_ranks_in_group.begin(), options.global_ranks_in_group.end());
-  std::vector<bool> routed(size, false);
-  for (int r = 0; r < size; ++r) routed[r] = o.routes_peer(pes[rank], pes[r]);
-  // CUDA IPC reaches only this host's GPUs: a peer on another host (by name, or by
-  // ODC_HOST_SIZE) that NVSHMEM does not route leaves the group to the inner NCCL group.
-  const auto places = gpu_places(a, device.index());
-  if (spans_hosts(ch, host_labels(a, o),
-                  [&](int q, int r) { return o.routes_peer(pes[q], pes[r]); },
-                  o.transport == TransportKind::CudaIpc
-                      ? "ODC_TRANSPORT=ipc keeps odc's CUDA transport inside a host"
-                      : (kBuiltWithNvshmem ? "ODC_HOST_SIZE does not split the hosts where their names do"
-                                           : "this build has no NVSHMEM, odc's only transport between GPUs of different hosts"))) {
+  // or for every peer with ODC_TRANSPORT=nvshmem. A peer on another host that NVSHMEM does
+  // not route leaves the group to the inner NCCL group.
+  const Placement p = place_gpu_ranks(a, o, gpu_uuid(device));
+  if (spans_hosts(ch, p, o.transport == TransportKind::CudaIpc
+                             ? "ODC_TRANSPORT=ipc keeps odc's CUDA transport inside a host"
+                         : kBuiltWithNvshmem
+                             ? "ODC_HOST_SIZE does not split the hosts where their names do"
+                             : "this build has no NVSHMEM, odc's only transport between GPUs of "
+                               "different hosts")) {
     return;
   }
-  std::unique_ptr<DeviceMemory> memory;  // nullptr: CUDA IPC
-  const std::vector<int64_t> group(pes.begin(), pes.end());
-  if (o.uses_nvshmem(group)) {
-#ifdef ODC_WITH_NVSHMEM
-    memory = nvshmem::make_memory(std::move(pes), std::move(routed), device.index(),
-                                  options.nvshmem_stage_always);
-#else
-    ODC_CHECK(false, ValueError, "odc: ",
-              o.transport == TransportKind::Nvshmem ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
-              " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
-#endif
-  }
-  bool other_gpus = false;  // some peer on another GPU of this host (CUDA IPC over NVLink)
-  int on_gpu = 0;           // ranks of the group on this GPU (their kernels share its SMs)
-  for (int r = 0; r < size; ++r) {
-    other_gpus = other_gpus || (!routed[r] && places[r] != places[rank]);
-    on_gpu += !routed[r] && places[r] == places[rank];
-  }
-  ch.transport = std::make_unique<CudaIpcTransport>(a, device.index(), o.reduce_blocks,
-                                                    o.accumulate_blocks, o.small_op_bytes,
-                                                    o.fused_blocks, on_gpu,
-                                                    o.stream_memops, other_gpus, std::move(memory));
-  ch.async_stream = take_async_stream(device.index());
-  ch.shares_device = shared_by_ranks(a, places);
-  // Pushes need every peer's memory mapped (no routed peer).
-  bool own_gpus = true;
-  for (int r = 0; r < size; ++r) {
-    own_gpus = own_gpus && !routed[r];
-    for (int q = 0; q < r; ++q) own_gpus = own_gpus && places[q] != places[r];
-  }
-  ch.push_all_gather = o.pushes_all_gathers(size, own_gpus);
-#else
-  ODC_CHECK(false, Error, "odc: this build of torch_odc_backend has no CUDA support (it was "
-                     "built against a CPU-only torch); rebuild it where torch has CUDA");
-#endif
+  CudaTransportOptions t;
+  t.device = device;
+  t.reduce_blocks = o.reduce_blocks;
+  t.accumulate_blocks = o.accumulate_blocks;
+  t.small_op_bytes = o.small_op_bytes;
+  t.fused_blocks = o.fused_blocks;
+  t.stream_memops = o.stream_memops;
+  t.ranks_on_gpu = p.ranks_on_gpu();
+  t.peers_on_other_gpus = p.peers_on_other_gpus();
+  t.pes.assign(o.global_ranks_in_group.begin(), o.global_ranks_in_group.end());
+  t.nvshmem = o.uses_nvshmem(std::vector<int64_t>(t.pes.begin(), t.pes.end()));
+  ODC_CHECK(!t.nvshmem || kBuiltWithNvshmem, ValueError, "odc: ",
+            o.transport == TransportKind::Nvshmem ? "ODC_TRANSPORT=nvshmem" : "a group with peers on other hosts",
+            " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
+  t.nvshmem_stage_always = o.nvshmem_stage_always;
+  t.routed = p.routed;
+  ch.transport = make_cuda_transport(a, t);
+  ch.async_stream = take_async_stream(device);
+  ch.shares_device = p.shares_gpu();
+  ch.push_all_gather = o.pushes_all_gathers(a.world, p.own_gpus());  // pushes map every peer
 }
 
 // The shared-memory transport of `ch` (none where the group spans hosts).
@@ -189,7 +82,7 @@ void set_host_transport(Channel& ch, const TransportArgs& a, const Options& opti
                     " (odc moves CPU and CUDA tensors)");
   // Shared memory reaches only this host's processes: a group with ranks on several
   // hosts (by name, or by ODC_HOST_SIZE) leaves its CPU tensors to the inner gloo group.
-  if (spans_hosts(ch, host_labels(a, options), [](int, int) { return false; },
+  if (spans_hosts(ch, place_host_ranks(a, options),
                   "odc moves CPU tensors through one host's shared memory only")) {
     return;
   }
@@ -231,38 +124,5 @@ Channel make_channel(const c10::Device& device, const Options& options,
   ch.protocol = std::make_unique<Protocol>(rank, size, a.layout, ch.transport.get());
   return ch;
 }
-
-#ifdef ODC_WITH_CUDA
-namespace {
-std::mutex g_async_mu;
-std::map<int, std::vector<void*>>& free_async_streams() {
-  static auto* free = new std::map<int, std::vector<void*>>();  // never destroyed, as its streams
-  return *free;
-}
-}  // namespace
-
-void* take_async_stream(int device) {
-  {
-    std::lock_guard<std::mutex> lock(g_async_mu);
-    auto& free = free_async_streams()[device];
-    if (!free.empty()) {
-      void* s = free.back();
-      free.pop_back();
-      return s;
-    }
-  }
-  c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device));
-  cudaStream_t s;
-  int lo = 0, hi = 0;
-  C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-  C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, hi));
-  return s;
-}
-
-void give_async_stream(int device, void* stream) {
-  std::lock_guard<std::mutex> lock(g_async_mu);
-  free_async_streams()[device].push_back(stream);
-}
-#endif
 
 }  // namespace odc

@@ -1,7 +1,8 @@
 // Layer 4, channel: one transport + protocol per device type a group moves data on, and
-// the transport factory that makes them from the group's options. Depends on the options
-// (options.hpp), the protocol (protocol.hpp), registered memory's pool (pool.hpp) and the
-// transport interface; the concrete transports (transport_shm.hpp, cuda/) only in channel.cpp.
+// the choice that makes them from the group's options and where its ranks are. Depends on
+// the options (options.hpp), the protocol (protocol.hpp), registered memory's pool (pool.hpp)
+// and the transport interface; the transports' factories (transport_shm.hpp, cuda_setup.hpp)
+// only in channel.cpp.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -31,7 +32,7 @@ struct Channel {
   std::string hosts;
   // Why no odc transport crosses those hosts, and what to do (with `hosts`, for errors).
   std::string hosts_why;
-  void* async_stream = nullptr;  // CUDA: the side stream async ops run on (take_async_stream)
+  void* async_stream = nullptr;  // CUDA: the side stream async ops run on (cuda_setup.hpp)
   bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
   // Zero-copy all-gathers push each rank's shard into its peers' outputs instead of reading
   // theirs (ODC_AG_PUSH; auto: where every rank of the group has a GPU of its own on this host,
@@ -53,14 +54,5 @@ Channel make_channel(const c10::Device& device, const Options& options,
 // The error of an operation odc must serve one-sidedly (`what`: "odc.decouple", "ALLREDUCE")
 // on a channel whose group spans hosts odc does not connect (Channel::hosts).
 std::string cross_host_refusal(const Channel& ch, const Options& options, const std::string& what);
-
-// CUDA: the stream a group's async collectives run on, its own while the group lives
-// (another group's collectives on it would run in issue order behind this one's device-side
-// waits, which can deadlock ranks that issue them in different orders), and never destroyed:
-// the caching allocator records an event on every stream an async collective's tensors were
-// recorded on when it frees them, also after the group is gone. A group gives its stream back
-// when destroyed; later groups on that device take it again.
-void* take_async_stream(int device);
-void give_async_stream(int device, void* stream);
 
 }  // namespace odc

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/exception.h>
 
+#include "cuda_setup.hpp"
 #include "text.hpp"
 
 #ifdef ODC_WITH_CUDA

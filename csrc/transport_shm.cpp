@@ -1,6 +1,8 @@
 // Layer 2, a transport: host shared memory (transport_shm.hpp).
 #include "transport_shm.hpp"
 
+#include "reduce_math.hpp"
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <fcntl.h>
@@ -32,30 +34,10 @@ std::string unique_segment_name(int rank) {
   return buf;
 }
 
-// Accumulation type: fp32 for the 16/32-bit floats, fp64 for float64, int64 for integers.
-template <typename T> struct Acc { using type = int64_t; };
-template <> struct Acc<float> { using type = float; };
-template <> struct Acc<c10::BFloat16> { using type = float; };
-template <> struct Acc<c10::Half> { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-template <Combine C, typename A>
-inline A combine(A a, A b) {
-  if constexpr (C == Combine::Sum) {
-    return a + b;
-  } else if constexpr (C == Combine::Product) {
-    return a * b;
-  } else {
-    if (a != a) return a;  // NaN wins (a float NaN is unequal to itself)
-    if (b != b) return b;
-    return C == Combine::Max ? (b > a ? b : a) : (b < a ? b : a);
-  }
-}
-
 // out[i] = combine over sources, in rank order, a block at a time in the accumulation type.
 template <typename T, Combine C>
 void reduce_typed(void* dst, const std::vector<const void*>& srcs, size_t numel, double scale) {
-  using A = typename Acc<T>::type;
+  using A = typename AccOf<T>::type;
   T* out = static_cast<T*>(dst);
   const size_t n = srcs.size();
   constexpr size_t kBlock = 256;

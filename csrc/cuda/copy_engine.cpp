@@ -16,7 +16,7 @@ namespace odc {
 // back to the operation's stream.
 
 // Each run of puts with its graph, made before anything is enqueued.
-std::vector<CudaIpcTransport::PutRun> CudaIpcTransport::prepare_put_runs() {
+std::vector<CudaTransport::PutRun> CudaTransport::prepare_put_runs() {
   std::vector<PutRun> puts;
   for (size_t i = 0; i < steps_.size(); ++i) {
     if (!steps_[i].guarded) continue;
@@ -33,7 +33,7 @@ std::vector<CudaIpcTransport::PutRun> CudaIpcTransport::prepare_put_runs() {
 // nothing to overlap, so every lane runs on the operation's stream in issue order (which
 // is deadlock-free, see issue_step). Fewer launches and no fork or join; waits and signals
 // of one point share a flag kernel. Returns whether it merged the lanes.
-bool CudaIpcTransport::merge_lanes_if_one_carries_data() {
+bool CudaTransport::merge_lanes_if_one_carries_data() {
   int data_lane = -1;
   bool one_data_lane = !memory_->any_routed();
   for (const Step& s : steps_) {
@@ -47,7 +47,7 @@ bool CudaIpcTransport::merge_lanes_if_one_carries_data() {
   return one_data_lane;
 }
 
-void CudaIpcTransport::run_on_copy_engines() {
+void CudaTransport::run_on_copy_engines() {
   std::vector<PutRun> puts = prepare_put_runs();
   size_t next_puts = 0;
   const bool one_lane = merge_lanes_if_one_carries_data();
@@ -87,7 +87,7 @@ void CudaIpcTransport::run_on_copy_engines() {
 }
 
 // One recorded step on its lane's stream (sigs, srcs: scratch).
-void CudaIpcTransport::issue_step(const Step& s, std::vector<uint64_t*>& sigs,
+void CudaTransport::issue_step(const Step& s, std::vector<uint64_t*>& sigs,
                                   std::vector<const void*>& srcs) {
   switch (s.kind) {
     case kStepWait:
@@ -130,7 +130,7 @@ void CudaIpcTransport::issue_step(const Step& s, std::vector<uint64_t*>& sigs,
 }
 
 // The watchdog watches the operation's device-side waits from `start` to its end.
-void CudaIpcTransport::track_for_watchdog(cudaEvent_t start) {
+void CudaTransport::track_for_watchdog(cudaEvent_t start) {
   Tracked t;
   t.start = start;
   t.end = events_->take();
@@ -142,11 +142,11 @@ void CudaIpcTransport::track_for_watchdog(cudaEvent_t start) {
   tracked_.push_back(std::move(t));
 }
 
-cudaStream_t CudaIpcTransport::lane_stream(int lane) const {
+cudaStream_t CudaTransport::lane_stream(int lane) const {
   return lane == 0 ? op_stream_ : cur_->side[lane - 1];
 }
 
-void CudaIpcTransport::launch_flags(int lane, const Step* wait) {
+void CudaTransport::launch_flags(int lane, const Step* wait) {
   fork_lane(lane);
   if (wait && wait_value_) {  // stream memory operations: no kernel, no SM (signals went out at once)
     const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
@@ -176,18 +176,7 @@ void CudaIpcTransport::launch_flags(int lane, const Step* wait) {
       op.wait_peer[i] = peers_[wait->first + i];
       if (wait->desc) op.desc[i] = static_cast<const uint64_t*>(ptrs_[wait->first + wait->n + i]);
     }
-    op.wait_target = wait->value;
-    op.desc_expected = wait->desc;
-    op.desc_id = wait->desc_id;
-    op.op_seq = wait->site.op_seq;
-    op.op = wait->site.op;
-    op.what = wait->site.what;
-  }
-  op.timeout_ns = static_cast<unsigned long long>(a_.timeout().count()) * 1000000ull;
-  op.err = err_dev_;
-  if (wait) {
-    op.watch_slots = watch_.slots;
-    op.watch_word = watch_.word;
+    op.check = wait_check(*wait);
   }
   check(launch_flag_op(op, lane_stream(lane)), "launching a flag kernel");
   flagged_[lane] = true;
@@ -195,20 +184,20 @@ void CudaIpcTransport::launch_flags(int lane, const Step* wait) {
 }
 
 
-void CudaIpcTransport::issue_prepare(int lane) {
+void CudaTransport::issue_prepare(int lane) {
   flush_signals(lane);
   fork_lane(lane);
 }
 
 // A side lane's first step of an operation waits for everything before the operation.
-void CudaIpcTransport::fork_lane(int lane) {
+void CudaTransport::fork_lane(int lane) {
   if (lane > 0 && !lane_used_[lane]) {
     check(cudaStreamWaitEvent(lane_stream(lane), cur_->fork, 0), "forking a lane");
     lane_used_[lane] = true;
   }
 }
 
-void CudaIpcTransport::issue_copy(int lane, void* dst, const void* src, size_t bytes) {
+void CudaTransport::issue_copy(int lane, void* dst, const void* src, size_t bytes) {
   issue_prepare(lane);
   if (memory_->routed(dst) || memory_->routed(src)) {
     memory_->copy_routed(static_cast<int>(ring_) * a_.world + lane, dst, src, bytes,
@@ -219,7 +208,7 @@ void CudaIpcTransport::issue_copy(int lane, void* dst, const void* src, size_t b
         "cudaMemcpyAsync");
 }
 
-void CudaIpcTransport::issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs,
+void CudaTransport::issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                                     size_t numel, const ReduceSpec& spec) {
   issue_prepare(lane);
   ReduceOpArgs r{};

@@ -2,6 +2,7 @@
 // caller's current stream, or with async_op on the group's own stream after it; its Work
 // waits for an event recorded after it (Transport::completion); registered memory is
 // ordered on streams by events. Host tensors get the host's launch.
+#include "../cuda_setup.hpp"
 #include "../device_work.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>

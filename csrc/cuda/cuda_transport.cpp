@@ -28,21 +28,19 @@ struct DeviceGuard {
 
 }  // namespace
 
-CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks,
-                                   int accumulate_blocks, size_t small_op_bytes, int fused_blocks,
-                                   int ranks_on_gpu, bool stream_memops, bool peers_on_other_gpus,
-                                   std::unique_ptr<DeviceMemory> memory)
+CudaTransport::CudaTransport(const TransportArgs& args, const CudaTransportOptions& o,
+                             std::unique_ptr<DeviceMemory> memory)
     : a_(args),
-      device_(device),
-      memory_(memory ? std::move(memory) : make_ipc_memory(device)),
-      reduce_blocks_(reduce_blocks),
-      peers_on_other_gpus_(peers_on_other_gpus),
-      accumulate_blocks_(accumulate_blocks),
-      small_op_bytes_(small_op_bytes),
-      fused_blocks_(fused_blocks),
+      device_(o.device),
+      memory_(std::move(memory)),
+      reduce_blocks_(o.reduce_blocks),
+      peers_on_other_gpus_(o.peers_on_other_gpus),
+      accumulate_blocks_(o.accumulate_blocks),
+      small_op_bytes_(o.small_op_bytes),
+      fused_blocks_(o.fused_blocks),
       bases_(args.world, nullptr) {
   if (a_.world > kMaxPeers) {
-    throw std::runtime_error("odc: the CUDA IPC transport supports groups of at most " +
+    throw std::runtime_error("odc: the CUDA transport supports groups of at most " +
                              std::to_string(kMaxPeers) + " ranks");
   }
   DeviceGuard g(device_);
@@ -50,7 +48,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
   int sms = 0;
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_), "counting SMs");
   // Two collectives may run at once (FSDP's all-gather and reduce-scatter streams).
-  fused_blocks_ = std::max(1, std::min(fused_blocks_, sms / (2 * std::max(1, ranks_on_gpu))));
+  fused_blocks_ = std::max(1, std::min(fused_blocks_, sms / (2 * std::max(1, o.ranks_on_gpu))));
   const size_t arrival_bytes = sizeof(unsigned) * kFusedArrivalsPerOp * kNumRings;
   check(cudaMalloc(reinterpret_cast<void**>(&arrivals_), arrival_bytes), "allocating the fused kernel's counters");
   check(cudaMemset(arrivals_, 0, arrival_bytes), "zeroing the fused kernel's counters");
@@ -63,7 +61,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
         "mapping the error record");
   pending_.assign(a_.world, PendingSignals{});
   lane_used_.assign(a_.world, false);
-  if (stream_memops) load_memops();
+  if (o.stream_memops) load_memops();
   if (wait_value_) {
     check(cudaStreamCreateWithFlags(&wd_stream_, cudaStreamNonBlocking), "creating a stream");
     // Self-test on counters that are still zero: a store of 0 into each peer's
@@ -93,7 +91,7 @@ CudaIpcTransport::CudaIpcTransport(const TransportArgs& args, int device, int re
 
 // Stream memory operations come from the driver API, looked up at run time so the
 // extension links against the runtime only.
-void CudaIpcTransport::load_memops() {
+void CudaTransport::load_memops() {
   using AttrFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
   void* attr_fn = nullptr;
   void* wait_fn = nullptr;
@@ -118,7 +116,7 @@ void CudaIpcTransport::load_memops() {
   write_value_ = reinterpret_cast<WriteValueFn>(write_fn);
 }
 
-int CudaIpcTransport::create_arena(size_t bytes) {
+int CudaTransport::create_arena(size_t bytes) {
   DeviceGuard g(device_);
   const int id = static_cast<int>(arenas_.size());
   arenas_.push_back(memory_->open(a_, "ipc_arena" + std::to_string(id), bytes, "arena"));
@@ -128,7 +126,7 @@ int CudaIpcTransport::create_arena(size_t bytes) {
   return id;
 }
 
-CudaIpcTransport::~CudaIpcTransport() {
+CudaTransport::~CudaTransport() {
   int prev = 0;
   const bool switched = cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess;
   (void)cudaDeviceSynchronize();  // the watchdog still releases a stuck wait meanwhile
@@ -161,7 +159,7 @@ CudaIpcTransport::~CudaIpcTransport() {
   if (switched) (void)cudaSetDevice(prev);
 }
 
-CudaIpcTransport::Lanes& CudaIpcTransport::lanes_for(cudaStream_t stream) {
+CudaTransport::Lanes& CudaTransport::lanes_for(cudaStream_t stream) {
   for (auto& [s, l] : lanes_) {
     if (s == stream) return l;
   }
@@ -181,7 +179,7 @@ CudaIpcTransport::Lanes& CudaIpcTransport::lanes_for(cudaStream_t stream) {
   return lanes_.back().second;
 }
 
-void CudaIpcTransport::begin_op(void* stream, Ring ring) {
+void CudaTransport::begin_op(void* stream, Ring ring) {
   op_stream_ = static_cast<cudaStream_t>(stream);
   ring_ = ring;
   last_done_.reset();
@@ -193,7 +191,7 @@ void CudaIpcTransport::begin_op(void* stream, Ring ring) {
 
 // ---- Recording: the protocol's calls become steps, run at end_op.
 
-void CudaIpcTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
+void CudaTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
                             const std::vector<int>& peers, uint64_t target,
                             const WaitSite& site, const DescCheck* check) {
   Step s{kStepWait, lane, static_cast<int>(ptrs_.size()), static_cast<int>(flags.size()),
@@ -207,7 +205,7 @@ void CudaIpcTransport::wait(int lane, const std::vector<const uint64_t*>& flags,
   steps_.push_back(s);
 }
 
-void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) {
+void CudaTransport::signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) {
   Step s{kStepSignal, lane, static_cast<int>(ptrs_.size()), static_cast<int>(flags.size()),
          value, 0, 0, nullptr, nullptr, {}, {}};
   ptrs_.insert(ptrs_.end(), flags.begin(), flags.end());
@@ -215,27 +213,27 @@ void CudaIpcTransport::signal(int lane, const std::vector<uint64_t*>& flags, uin
   steps_.push_back(s);
 }
 
-void CudaIpcTransport::store(int lane, const std::vector<uint64_t*>& words, uint64_t value) {
+void CudaTransport::store(int lane, const std::vector<uint64_t*>& words, uint64_t value) {
   signal(lane, words, value);
   steps_.back().kind = kStepStore;
 }
 
-void CudaIpcTransport::copy(int lane, void* dst, const void* src, size_t bytes) {
+void CudaTransport::copy(int lane, void* dst, const void* src, size_t bytes) {
   steps_.push_back(Step{kStepCopy, lane, 0, 0, bytes, 0, 0, dst, src, {}, {}});
 }
 
-void CudaIpcTransport::accumulate(int lane, float* dst, const void* src, size_t numel,
+void CudaTransport::accumulate(int lane, float* dst, const void* src, size_t numel,
                                   DType dtype) {
   ReduceSpec spec;
   spec.dtype = dtype;
   steps_.push_back(Step{kStepAccumulate, lane, 0, 0, numel, 0, 0, dst, src, spec, {}});
 }
 
-void CudaIpcTransport::fill_zero(int lane, void* dst, size_t bytes) {
+void CudaTransport::fill_zero(int lane, void* dst, size_t bytes) {
   steps_.push_back(Step{kStepZero, lane, 0, 0, bytes, 0, 0, dst, nullptr, {}, {}});
 }
 
-void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*>& srcs,
+void CudaTransport::reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                               size_t numel, const ReduceSpec& spec) {
   Step s{kStepReduce, lane, static_cast<int>(ptrs_.size()), static_cast<int>(srcs.size()),
          numel, 0, 0, dst, nullptr, spec, {}};
@@ -244,7 +242,7 @@ void CudaIpcTransport::reduce(int lane, void* dst, const std::vector<const void*
   steps_.push_back(s);
 }
 
-void CudaIpcTransport::end_op() {
+void CudaTransport::end_op() {
   DeviceGuard g(device_);
   if (steps_.empty()) return;
   // A ring's chunk counters assume its operations run in issue order: one issued on
@@ -275,7 +273,7 @@ void CudaIpcTransport::end_op() {
   last_done_ = ring_done_[ring_];
 }
 
-std::shared_ptr<void> CudaIpcTransport::completion(void* stream, bool after_last_op) {
+std::shared_ptr<void> CudaTransport::completion(void* stream, bool after_last_op) {
   if (after_last_op && last_done_ && ring_stream_[ring_] == stream) return last_done_;
   DeviceGuard g(device_);
   std::shared_ptr<void> done = events_->share(events_->take());

@@ -1,8 +1,8 @@
-// Layer 2, a transport: the CUDA transport (GPUs; classes keep their first name,
-// CudaIpcTransport). Depends on the transport interface (../transport.hpp), where its
+// Layer 2, a transport: the CUDA transport (GPUs). Made by cuda_setup.cpp
+// (../cuda_setup.hpp: CudaTransportOptions). Depends on the transport interface (../transport.hpp), where its
 // memory lives (device_memory.hpp: CUDA IPC or NVSHMEM) and its kernels (kernels.cuh).
 //
-// CUDA IPC transport: GPUs of one host. Each window is a cudaMalloc'd buffer
+// The CUDA transport: GPUs of one host. Each window is a cudaMalloc'd buffer
 // opened by every peer through CUDA IPC (or, with ODC_TRANSPORT=nvshmem, a piece of
 // NVSHMEM's symmetric heap mapped peer-to-peer: see DeviceMemory). The steps of one
 // operation are recorded between begin_op and end_op, then run by one of two engines:
@@ -35,6 +35,7 @@
 #include <mutex>
 #include <thread>
 
+#include "../cuda_setup.hpp"
 #include "../rendezvous.hpp"
 #include "device_memory.hpp"
 #include "kernels.cuh"
@@ -56,15 +57,12 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   std::vector<cudaEvent_t> free_;
 };
 
-class CudaIpcTransport final : public Transport {
+class CudaTransport final : public Transport {
  public:
-  // memory: nullptr for CUDA IPC. peers_on_other_gpus: some peer's memory is across NVLink
-  // (not this GPU's, as for ranks sharing it). ranks_on_gpu: the group's ranks on this GPU.
-  CudaIpcTransport(const TransportArgs& args, int device, int reduce_blocks, int accumulate_blocks,
-                   size_t small_op_bytes, int fused_blocks, int ranks_on_gpu,
-                   bool stream_memops, bool peers_on_other_gpus,
-                   std::unique_ptr<DeviceMemory> memory = nullptr);
-  ~CudaIpcTransport() override;
+  // memory: CUDA IPC (make_ipc_memory) or NVSHMEM's heap, where the windows and arenas live.
+  CudaTransport(const TransportArgs& args, const CudaTransportOptions& options,
+                std::unique_ptr<DeviceMemory> memory);
+  ~CudaTransport() override;
 
   char* window(int rank) override { return bases_[rank]; }
   void wait(int lane, const std::vector<const uint64_t*>& flags, const std::vector<int>& peers,
@@ -158,6 +156,9 @@ class CudaIpcTransport final : public Transport {
   void build_puts(const std::vector<PutSet>& sets, PutGraph& g);
   void retire_puts();
   static void destroy(PutGraph& g);
+  // What a device-side wait for the step `w` checks: its target and descriptor, the group's
+  // timeout (read now: a changed timeout reaches later launches), error record and watch.
+  WaitCheck wait_check(const Step& w) const;
   GateOp gate_of(const std::vector<const Step*>& waits, uint64_t* go,
                  cudaGraphConditionalHandle cond) const;
   std::map<std::vector<uintptr_t>, PutGraph> put_graphs_;

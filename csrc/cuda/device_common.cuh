@@ -1,6 +1,6 @@
 // Layer 2, a transport's kernels: the device-side helpers every kernel file shares (waits on
 // a peer's counter with the group's timeout, error records, descriptor checks, dtype
-// conversions and the reductions' combine). Internal to cuda/*.cu (each gets its own copy).
+// conversions; the reductions' arithmetic is ../reduce_math.hpp). Internal to cuda/*.cu (each gets its own copy).
 #pragma once
 
 #include <cuda.h>
@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../reduce_math.hpp"
 #include "kernels.cuh"
 
 namespace odc {
@@ -119,14 +120,6 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
-// Accumulation type of a reduction: fp32 for the 16/32-bit floats, fp64 for float64,
-// int64 for integers (protocol.hpp, ReduceSpec).
-template <typename T> struct AccOf { using type = long long; };
-template <> struct AccOf<float> { using type = float; };
-template <> struct AccOf<__nv_bfloat16> { using type = float; };
-template <> struct AccOf<__half> { using type = float; };
-template <> struct AccOf<double> { using type = double; };
-
 template <typename T, typename A> __device__ __forceinline__ A to_acc(T v) { return static_cast<A>(v); }
 template <> __device__ __forceinline__ float to_acc<__nv_bfloat16, float>(__nv_bfloat16 v) {
   return __bfloat162float(v);
@@ -138,18 +131,6 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, flo
 }
 template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
 
-template <Combine C, typename A>
-__device__ __forceinline__ A combine(A a, A b) {
-  if constexpr (C == Combine::Sum) {
-    return a + b;
-  } else if constexpr (C == Combine::Product) {
-    return a * b;
-  } else {
-    if (a != a) return a;  // NaN wins
-    if (b != b) return b;
-    return C == Combine::Max ? (b > a ? b : a) : (b < a ? b : a);
-  }
-}
 }  // namespace
 
 // Each kernel file's part of preload_kernels (kernels.cu).

@@ -13,7 +13,7 @@ namespace odc {
 
 // ---- The fused engine.
 
-bool CudaIpcTransport::fusable() {
+bool CudaTransport::fusable() {
   if (small_op_bytes_ == 0 || memory_->any_routed() || a_.world > kFusedMaxLanes ||
       steps_.size() > static_cast<size_t>(kFusedMaxSteps) ||
       ptrs_.size() > static_cast<size_t>(kFusedMaxPtrs)) {
@@ -36,7 +36,7 @@ bool CudaIpcTransport::fusable() {
 // that each moves about kFusedBytesPerBlock of the lane's largest copy or reduction; at most
 // fused_blocks_ in all (or one per lane, where there are more lanes). False (the copy-engine
 // path) where a block would have more than kFusedMaxBytesPerBlock to move.
-bool CudaIpcTransport::plan_fused_blocks() {
+bool CudaTransport::plan_fused_blocks() {
   int lanes_with_data = 0, lanes_without = 0;
   size_t bytes[kFusedMaxLanes] = {};  // fusable() checked world <= kFusedMaxLanes
   bool has_steps[kFusedMaxLanes] = {};
@@ -60,7 +60,7 @@ bool CudaIpcTransport::plan_fused_blocks() {
   return true;
 }
 
-void CudaIpcTransport::run_fused() {
+void CudaTransport::run_fused() {
   FusedOp op{};
   op.lanes = a_.world;
   op.timeout_ns = static_cast<unsigned long long>(a_.timeout().count()) * 1000000ull;

@@ -29,22 +29,12 @@ struct DeviceError {
 constexpr int kMaxPeers = 64;
 constexpr int kSignalBatches = 4;  // e.g. the announcement, descriptors, chunk numbers, the data counters
 
-// Store the payload batches (descriptors), then one fence, then the counter batches
-// (announcing the work that precedes this kernel on its stream: Transport::signal's
-// contract; counters of one FlagOp are not ordered among themselves). Then wait until
-// every wait counter is >= wait_target and, with desc_expected != 0, check that the
-// descriptor stored with it equals desc_expected and its id desc_id (DescCheck); on a
-// timeout or a mismatch record it in `err` and return.
-struct FlagOp {
-  uint64_t* signal[kSignalBatches][kMaxPeers];
-  const uint64_t* wait[kMaxPeers];
-  const uint64_t* desc[kMaxPeers];  // parallel to wait
-  int wait_peer[kMaxPeers];
-  int n_signal[kSignalBatches];
-  bool payload[kSignalBatches];  // Transport::store: before the fence and the counters
-  int n_wait;
-  unsigned long long signal_value[kSignalBatches];
-  unsigned long long wait_target;
+// What a device-side wait checks of each peer it waits for, alike in a flag kernel and a
+// gate: that the peer's counter reaches `target` within the timeout and, with
+// desc_expected != 0, that the descriptor stored with it equals desc_expected and its id
+// desc_id (DescCheck); a timeout or a mismatch is recorded in `err`, naming op_seq, op, what.
+struct WaitCheck {
+  unsigned long long target;
   unsigned long long desc_expected;
   unsigned long long desc_id;
   unsigned long long timeout_ns;
@@ -56,8 +46,24 @@ struct FlagOp {
   unsigned long long watch_word;  // and this rank's own announcement
 };
 
+// Store the payload batches (descriptors), then one fence, then the counter batches
+// (announcing the work that precedes this kernel on its stream: Transport::signal's
+// contract; counters of one FlagOp are not ordered among themselves). Then wait for every
+// wait counter as `check` says; on a timeout or a mismatch return.
+struct FlagOp {
+  uint64_t* signal[kSignalBatches][kMaxPeers];
+  const uint64_t* wait[kMaxPeers];
+  const uint64_t* desc[kMaxPeers];  // parallel to wait
+  int wait_peer[kMaxPeers];
+  int n_signal[kSignalBatches];
+  bool payload[kSignalBatches];  // Transport::store: before the fence and the counters
+  int n_wait;
+  unsigned long long signal_value[kSignalBatches];
+  WaitCheck check;
+};
+
 // The gate of puts (Transport::put_after) on the copy engines: its threads wait for the peers'
-// counters and check their descriptors as a flag kernel does; only where every one succeeds
+// counters and check their descriptors as a flag kernel does (WaitCheck); only where every one succeeds
 // does it store the target in each put's `go` word (which the put's signal copies to the
 // peer) and set `cond`, the condition of the graph node that holds the puts' copies. A failed
 // gate leaves the condition 0: the copies never run.
@@ -67,16 +73,7 @@ struct GateOp {
   const uint64_t* desc[kMaxGatePeers];  // the peers' descriptors (null: unchecked)
   int peer[kMaxGatePeers];
   int n;
-  unsigned long long target;
-  unsigned long long desc_expected;
-  unsigned long long desc_id;
-  unsigned long long timeout_ns;
-  unsigned long long op_seq;
-  const char* op;
-  const char* what;
-  DeviceError* err;
-  const uint64_t* watch_slots;    // PeerWatch, as in FlagOp
-  unsigned long long watch_word;
+  WaitCheck check;
   uint64_t* go;                   // n words
   cudaGraphConditionalHandle cond;
 };

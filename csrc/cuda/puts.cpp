@@ -9,7 +9,7 @@
 
 namespace odc {
 
-void CudaIpcTransport::put_after(int lane, const uint64_t* flag, int peer, uint64_t target,
+void CudaTransport::put_after(int lane, const uint64_t* flag, int peer, uint64_t target,
                                  const WaitSite& site, const DescCheck* check, void* dst,
                                  const void* src, size_t bytes, uint64_t* done) {
   const size_t first = steps_.size();
@@ -21,9 +21,24 @@ void CudaIpcTransport::put_after(int lane, const uint64_t* flag, int peer, uint6
   for (size_t i = first; i < steps_.size(); ++i) steps_[i].guarded = true;
 }
 
+WaitCheck CudaTransport::wait_check(const Step& w) const {
+  WaitCheck c{};
+  c.target = w.value;
+  c.desc_expected = w.desc;
+  c.desc_id = w.desc_id;
+  c.timeout_ns = static_cast<unsigned long long>(a_.timeout().count()) * 1000000ull;
+  c.op_seq = w.site.op_seq;
+  c.op = w.site.op;
+  c.what = w.site.what;
+  c.err = err_dev_;
+  c.watch_slots = watch_.slots;
+  c.watch_word = watch_.word;
+  return c;
+}
+
 // The gate of the puts whose waits are `waits`: their counters, target and checks, the group's
 // timeout, error record and watch.
-GateOp CudaIpcTransport::gate_of(const std::vector<const Step*>& waits, uint64_t* go,
+GateOp CudaTransport::gate_of(const std::vector<const Step*>& waits, uint64_t* go,
                                  cudaGraphConditionalHandle cond) const {
   GateOp g{};
   const Step& w = *waits.front();
@@ -37,16 +52,7 @@ GateOp CudaIpcTransport::gate_of(const std::vector<const Step*>& waits, uint64_t
     g.desc[i] = x.desc ? static_cast<const uint64_t*>(ptrs_[x.first + x.n]) : nullptr;
     g.peer[i] = peers_[x.first];
   }
-  g.target = w.value;
-  g.desc_expected = w.desc;
-  g.desc_id = w.desc_id;
-  g.timeout_ns = static_cast<unsigned long long>(a_.timeout().count()) * 1000000ull;
-  g.op_seq = w.site.op_seq;
-  g.op = w.site.op;
-  g.what = w.site.what;
-  g.err = err_dev_;
-  g.watch_slots = watch_.slots;
-  g.watch_word = watch_.word;
+  g.check = wait_check(w);
   g.go = go;
   g.cond = cond;
   return g;
@@ -54,7 +60,7 @@ GateOp CudaIpcTransport::gate_of(const std::vector<const Step*>& waits, uint64_t
 
 // The puts in steps_[first, end) (each: a wait on one counter, a copy unless empty, a signal
 // of one counter), behind as few gates as hold them.
-std::vector<CudaIpcTransport::PutSet> CudaIpcTransport::put_sets(size_t first, size_t end) const {
+std::vector<CudaTransport::PutSet> CudaTransport::put_sets(size_t first, size_t end) const {
   std::vector<PutSet> sets;
   for (size_t i = first; i < end;) {
     const Step* w = &steps_[i++];
@@ -73,7 +79,7 @@ std::vector<CudaIpcTransport::PutSet> CudaIpcTransport::put_sets(size_t first, s
 }
 
 // The graph of the puts of `sets`, made once per set of places and sizes (`key`).
-CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(const std::vector<PutSet>& sets,
+CudaTransport::PutGraph& CudaTransport::put_graph(const std::vector<PutSet>& sets,
                                                         const std::vector<uintptr_t>& key) {
   auto it = put_graphs_.find(key);
   if (it != put_graphs_.end()) return it->second;
@@ -88,7 +94,7 @@ CudaIpcTransport::PutGraph& CudaIpcTransport::put_graph(const std::vector<PutSet
 }
 
 // Once per operation with puts, before any is prepared (so that the graphs it prepares stay).
-void CudaIpcTransport::retire_puts() {
+void CudaTransport::retire_puts() {
   constexpr size_t kMaxPutGraphs = 1024;
   if (put_graphs_.size() >= kMaxPutGraphs) {  // rare: drop them all, each once its last launch is done
     for (auto& [k, g] : put_graphs_) retired_puts_.push_back(g);
@@ -104,7 +110,7 @@ void CudaIpcTransport::retire_puts() {
   }
 }
 
-void CudaIpcTransport::build_puts(const std::vector<PutSet>& sets, PutGraph& g) {
+void CudaTransport::build_puts(const std::vector<PutSet>& sets, PutGraph& g) {
   size_t puts = 0;
   for (const PutSet& set : sets) puts += set.waits.size();
   check(cudaMalloc(&g.go, puts * sizeof(uint64_t)), "allocating the puts' words");
@@ -162,7 +168,7 @@ void CudaIpcTransport::build_puts(const std::vector<PutSet>& sets, PutGraph& g) 
 
 // Before anything of the operation is enqueued (its "ready" among it): a graph that cannot
 // be made (or a stream being captured) fails the call before any peer may write here.
-CudaIpcTransport::PutRun CudaIpcTransport::prepare_puts(size_t first, size_t end) {
+CudaTransport::PutRun CudaTransport::prepare_puts(size_t first, size_t end) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(op_stream_, &capturing), "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone) {
@@ -188,7 +194,7 @@ CudaIpcTransport::PutRun CudaIpcTransport::prepare_puts(size_t first, size_t end
   return run;
 }
 
-void CudaIpcTransport::issue_puts(const PutRun& run) {
+void CudaTransport::issue_puts(const PutRun& run) {
   // After every signal issued before them (this rank's "ready" among them), as a wait.
   for (int lane = 0; lane < a_.world; ++lane) flush_signals(lane);
   PutGraph& g = *run.graph;
@@ -207,7 +213,7 @@ void CudaIpcTransport::issue_puts(const PutRun& run) {
   flagged_[0] = true;  // the gates: one block at a time
 }
 
-void CudaIpcTransport::destroy(PutGraph& g) {  // parts not made yet are null
+void CudaTransport::destroy(PutGraph& g) {  // parts not made yet are null
   if (g.exec) (void)cudaGraphExecDestroy(g.exec);
   if (g.graph) (void)cudaGraphDestroy(g.graph);
   if (g.last) (void)cudaEventDestroy(g.last);

@@ -11,11 +11,11 @@
 
 namespace odc {
 
-void CudaIpcTransport::flush_signals(int lane) {
+void CudaTransport::flush_signals(int lane) {
   if (pending_[lane].batches > 0) launch_flags(lane, nullptr);
 }
 
-void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flags,
+void CudaTransport::issue_signal(int lane, const std::vector<uint64_t*>& flags,
                                     uint64_t value, bool payload) {
   if (memory_->any_routed()) {
     std::vector<uint64_t*> direct;
@@ -38,7 +38,7 @@ void CudaIpcTransport::issue_signal(int lane, const std::vector<uint64_t*>& flag
   issue_direct_signal(lane, flags, value, payload);
 }
 
-void CudaIpcTransport::issue_direct_signal(int lane, const std::vector<uint64_t*>& flags,
+void CudaTransport::issue_direct_signal(int lane, const std::vector<uint64_t*>& flags,
                                            uint64_t value, bool payload) {
   if (wait_value_) {
     // Stream memory operations: written at once, in protocol order. Held back until

@@ -5,6 +5,15 @@
 namespace odc {
 namespace {
 
+// One peer of a wait (WaitCheck): false, with the error recorded, on a timeout or a mismatch.
+__device__ bool check_peer(const WaitCheck& c, const uint64_t* flag, const uint64_t* desc,
+                           int peer, uint64_t start) {
+  return wait_counter(flag, c.target, start, c.timeout_ns, c.err, peer, c.op_seq, c.op, c.what,
+                      PeerWatch{c.watch_slots, c.watch_word}) &&
+         (!c.desc_expected ||
+          check_desc(desc, c.desc_expected, c.desc_id, c.err, peer, c.op_seq, c.op));
+}
+
 __global__ void flag_kernel(FlagOp op) {
   const int t = threadIdx.x;
   if (t == 0) {  // one thread: the payloads, one fence, then the counters (FlagOp)
@@ -23,35 +32,25 @@ __global__ void flag_kernel(FlagOp op) {
   if (op.n_wait == 0) return;
   const uint64_t start = global_ns();
   for (int i = t; i < op.n_wait; i += blockDim.x) {
-    if (!wait_counter(op.wait[i], op.wait_target, start, op.timeout_ns, op.err, op.wait_peer[i],
-                      op.op_seq, op.op, op.what, PeerWatch{op.watch_slots, op.watch_word})) {
-      return;
-    }
-    if (op.desc_expected && !check_desc(op.desc[i], op.desc_expected, op.desc_id, op.err,
-                                        op.wait_peer[i], op.op_seq, op.op)) {
-      return;
-    }
+    if (!check_peer(op.check, op.wait[i], op.desc[i], op.wait_peer[i], start)) return;
   }
 }
 
 __global__ void gate_kernel(const __grid_constant__ GateOp g) {
   __shared__ int failed;
-  volatile DeviceError* err = g.err;
+  volatile DeviceError* err = g.check.err;
   if (threadIdx.x == 0) failed = err->code != 0;  // the group failed: nothing more into peers' memory
   __syncthreads();
   if (failed) return;
   const uint64_t start = global_ns();
   for (int i = threadIdx.x; i < g.n; i += blockDim.x) {
-    if (!wait_counter(g.flag[i], g.target, start, g.timeout_ns, g.err, g.peer[i], g.op_seq, g.op,
-                      g.what, PeerWatch{g.watch_slots, g.watch_word}) ||
-        (g.desc_expected && !check_desc(g.desc[i], g.desc_expected, g.desc_id, g.err, g.peer[i],
-                                        g.op_seq, g.op))) {
+    if (!check_peer(g.check, g.flag[i], g.desc[i], g.peer[i], start)) {
       failed = 1;
     }
   }
   __syncthreads();
   if (failed || threadIdx.x != 0 || err->code != 0) return;
-  for (int i = 0; i < g.n; ++i) g.go[i] = g.target;  // ordered before the graph's next nodes
+  for (int i = 0; i < g.n; ++i) g.go[i] = g.check.target;  // ordered before the graph's next nodes
   cudaGraphSetConditional(g.cond, 1);
 }
 

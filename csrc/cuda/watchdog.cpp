@@ -12,7 +12,7 @@
 
 namespace odc {
 
-void CudaIpcTransport::watchdog_loop() {
+void CudaTransport::watchdog_loop() {
   (void)cudaSetDevice(device_);
   std::unique_lock<std::mutex> lk(wd_mu_);
   bool released = false;
@@ -50,7 +50,7 @@ void CudaIpcTransport::watchdog_loop() {
 // Stream memory operations cannot watch the peers' announcements themselves (PeerWatch):
 // the watchdog reads the slots of the peers an unfinished operation waits for, and
 // records a peer that announced another collective at this point.
-bool CudaIpcTransport::announced_other(const Tracked& op) {
+bool CudaTransport::announced_other(const Tracked& op) {
   for (const WaitRec& w : op.waits) {
     uint64_t theirs = 0;
     if (cudaMemcpyAsync(&theirs, op.watch.slot_of(w.peer), sizeof(theirs), cudaMemcpyDeviceToHost,
@@ -75,7 +75,7 @@ bool CudaIpcTransport::announced_other(const Tracked& op) {
   return false;
 }
 
-bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
+bool CudaTransport::diagnose_and_release(const Tracked& op) {
   // Each awaited counter is read on its own: it may live in the window or in an arena.
   const uint64_t released = uint64_t{1} << 62;
   bool unmet = err_host_->code != 0;  // already failed: keep releasing
@@ -118,7 +118,7 @@ bool CudaIpcTransport::diagnose_and_release(const Tracked& op) {
 }
 
 
-std::string CudaIpcTransport::async_error() {
+std::string CudaTransport::async_error() {
   volatile DeviceError* e = err_host_;
   const int code = e->code;
   if (code == 0) return {};

@@ -228,52 +228,60 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
     uint64_t bytes = 0;
     ch.transport->begin_op(stream, ag ? Transport::kAgRing : Transport::kRsRing);
     for (size_t i = 0; i < inputs.size(); ++i) {
-      const size_t elem = inputs[i].element_size();
-      const size_t per_rank = (ag ? inputs[i] : outputs[i]).numel() * elem;
-      // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
-      const uint64_t d = desc(ag ? OpKind::AllGather : OpKind::ReduceScatter, inputs[i], per_rank,
-                              red_op, !ag);
-      std::vector<const char*> in_at;
-      RegisteredId id;
-      if (registered_inputs(ch, ag, inputs[i], outputs[i], per_rank, &in_at, &id)) {
-        const bool push = ag && ch.push_all_gather;
-        const OpKind kind = !ag  ? OpKind::ReduceScatterRegistered
-                            : push ? OpKind::AllGatherRegisteredPush
-                                   : OpKind::AllGatherRegistered;
-        // A push writes into the peers' memory: its descriptor (with the buffer's place) is
-        // always checked, also with ODC_MATCH_CHECK=0.
-        const uint64_t rd = push ? op_desc(kind, static_cast<int>(inputs[i].scalar_type()), per_rank, 0)
-                                 : desc(kind, inputs[i], per_rank, red_op, !ag);
-        if (ag) {
-          ch.protocol->all_gather_registered(outputs[i].data_ptr(), in_at, per_rank, id, seq, rd,
-                                             push);
-          if (push) count(Stat::AllGatherPushOps, 1);
-        } else {
-          ch.protocol->reduce_scatter_registered(outputs[i].data_ptr(), in_at, outputs[i].numel(),
-                                                 elem, specs[i], id, seq, rd);
-        }
-        bytes += per_rank * world;
-        count(Stat::RegisteredOps, 1);
-      } else if (ag) {
-        ch.protocol->all_gather(outputs[i].data_ptr(), inputs[i].data_ptr(), per_rank, seq, d);
-        bytes += per_rank * world;
-      } else {
-        ch.protocol->reduce_scatter(outputs[i].data_ptr(), inputs[i].data_ptr(),
-                                    outputs[i].numel(), elem, specs[i], seq, d);
-        bytes += inputs[i].numel() * elem;
-      }
+      const size_t per_rank = (ag ? inputs[i] : outputs[i]).numel() * inputs[i].element_size();
+      const Path path = path_of(ch, ag, inputs[i], outputs[i], per_rank);
+      bytes += issue_path(ch, path, ag, inputs[i], outputs[i], per_rank, specs[i], red_op, seq);
     }
     ch.transport->end_op();
     count(ag ? Stat::AllGatherOps : Stat::ReduceScatterOps, 1);
     count(ag ? Stat::AllGatherBytes : Stat::ReduceScatterBytes, bytes);
-    // Which engine ran it and the blocks it held: fused_ops / fused_blocks, copy_engine_...
-    const Transport::EngineUse use = ch.transport->last_engine();
-    if (use.engine != Transport::EngineUse::kNone) {
-      const bool fused = use.engine == Transport::EngineUse::kFused;
-      count(fused ? Stat::FusedOps : Stat::CopyEngineOps, 1);
-      count(fused ? Stat::FusedBlocks : Stat::CopyEngineBlocks, static_cast<uint64_t>(use.blocks));
-    }
+    count_engine(ch);
   }, /*blocking=*/false, /*ends_with_op=*/true);
+}
+
+uint64_t OdcBackend::issue_path(Channel& ch, const Path& path, bool ag, const at::Tensor& in,
+                                const at::Tensor& out, size_t per_rank, const ReduceSpec& spec,
+                                RedOp red_op, uint64_t seq) {
+  const size_t elem = in.element_size();
+  const int world = getSize();
+  if (path.way == Path::Way::Staged) {
+    // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
+    const uint64_t d = desc(ag ? OpKind::AllGather : OpKind::ReduceScatter, in, per_rank, red_op, !ag);
+    if (ag) {
+      ch.protocol->all_gather(out.data_ptr(), in.data_ptr(), per_rank, seq, d);
+      return per_rank * world;
+    }
+    ch.protocol->reduce_scatter(out.data_ptr(), in.data_ptr(), out.numel(), elem, spec, seq, d);
+    return in.numel() * elem;
+  }
+  count(Stat::RegisteredOps, 1);
+  const bool push = path.way == Path::Way::RegisteredPush;
+  const OpKind kind = !ag  ? OpKind::ReduceScatterRegistered
+                      : push ? OpKind::AllGatherRegisteredPush
+                             : OpKind::AllGatherRegistered;
+  // A push writes into the peers' memory: its descriptor (with the buffer's place) is always
+  // checked, also with ODC_MATCH_CHECK=0.
+  const uint64_t d = push ? op_desc(kind, static_cast<int>(in.scalar_type()), per_rank, 0)
+                          : desc(kind, in, per_rank, red_op, !ag);
+  if (!ag) {
+    ch.protocol->reduce_scatter_registered(out.data_ptr(), path.at, out.numel(), elem, spec,
+                                           path.id, seq, d);
+  } else if (push) {
+    ch.protocol->all_gather_pushed(out.data_ptr(), in.data_ptr(), path.at, per_rank, path.id,
+                                   seq, d);
+    count(Stat::AllGatherPushOps, 1);
+  } else {
+    ch.protocol->all_gather_registered(out.data_ptr(), path.at, per_rank, path.id, seq, d);
+  }
+  return per_rank * world;
+}
+
+void OdcBackend::count_engine(Channel& ch) {
+  const Transport::EngineUse use = ch.transport->last_engine();
+  if (use.engine == Transport::EngineUse::kNone) return;
+  const bool fused = use.engine == Transport::EngineUse::kFused;
+  count(fused ? Stat::FusedOps : Stat::CopyEngineOps, 1);
+  count(fused ? Stat::FusedBlocks : Stat::CopyEngineBlocks, static_cast<uint64_t>(use.blocks));
 }
 
 c10::intrusive_ptr<c10d::Backend> OdcBackend::across_hosts(const c10::Device& device) {

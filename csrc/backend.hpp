@@ -209,10 +209,23 @@ class OdcBackend final : public c10d::Backend {
                                      std::vector<at::Tensor>& inputs, bool async_op,
                                      const c10d::ReduceOp* op, const char* api);
   Channel& channel(const c10::Device& device);
-  // Where every rank's input of this rank's collective lies, when its input is registered
-  // memory (false: it is not; the staged path).
-  bool registered_inputs(Channel& ch, bool ag, const at::Tensor& in, const at::Tensor& out,
-                         size_t per_rank, std::vector<const char*>* in_at, RegisteredId* id) const;
+  // How one tensor of an all-gather or reduce-scatter moves: decided by path_of, the same on
+  // every rank (from what every rank sees alike), then issued by issue_path.
+  struct Path {
+    enum class Way { Staged, Registered, RegisteredPush } way = Way::Staged;
+    // Registered: every rank's input (pull, reduce-scatter) or output (push) as this GPU
+    // reaches it, and the buffer's place in the pool (checked by the peers).
+    std::vector<const char*> at;
+    RegisteredId id;
+  };
+  Path path_of(Channel& ch, bool ag, const at::Tensor& in, const at::Tensor& out,
+               size_t per_rank) const;
+  // Issues one tensor's collective on its path; returns the bytes it moved.
+  uint64_t issue_path(Channel& ch, const Path& path, bool ag, const at::Tensor& in,
+                      const at::Tensor& out, size_t per_rank, const ReduceSpec& spec,
+                      RedOp red_op, uint64_t seq);
+  // The counters of the engine that ran the last operation (fused_ops, copy_engine_...).
+  void count_engine(Channel& ch);
   ReduceSpec reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op, const char* api,
                          std::vector<at::Tensor>& factors, RedOp* red_op);
   uint64_t desc(OpKind kind, const at::Tensor& t, uint64_t bytes, RedOp op = RedOp::Sum,

@@ -344,35 +344,48 @@ void Protocol::registered_finish(int ring, const std::vector<int>& peers, uint64
 
 void Protocol::all_gather_registered(void* out, const std::vector<const char*>& in_at,
                                      size_t shard_bytes, RegisteredId id, uint64_t op_seq,
-                                     uint64_t desc, bool push) {
+                                     uint64_t desc) {
   char* out_b = static_cast<char*>(out);
   char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
-  const bool copy_own = my_part != in_at[rank_] && shard_bytes > 0;
   announce(desc);
   if (world_ > 1) {
     id.number = ++registered_[0];
     registered_ready(0, id, desc);
     for (int i = 1; i < world_; ++i) {  // each peer on its lane
       const int p = (rank_ + i) % world_;
-      if (push) {  // p's output holds p's input at p's place; this rank's shard goes to its own
-        char* p_out = const_cast<char*>(in_at[p]) - static_cast<size_t>(p) * shard_bytes;
-        const DescCheck check = registered_check(0, only_[p], id, desc);
-        t_->put_after(i, flag_in(rank_, kRegReady[0], p), p, id.number,
-                      {"all_gather", "the output of", op_seq}, desc ? &check : nullptr,
-                      p_out + static_cast<size_t>(rank_) * shard_bytes, in_at[rank_], shard_bytes,
-                      flag_in(p, kRegDone[0], rank_));
-        continue;
-      }
       registered_wait_ready(0, i, only_[p], id, desc, {"all_gather", "the input of", op_seq});
       if (shard_bytes) t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes, in_at[p], shard_bytes);
       registered_done(0, i, only_[p], id.number);
     }
   }
-  if (copy_own) t_->copy(0, my_part, in_at[rank_], shard_bytes);
+  if (my_part != in_at[rank_] && shard_bytes) t_->copy(0, my_part, in_at[rank_], shard_bytes);
+  if (world_ > 1) {
+    registered_finish(0, others_, id.number, {"all_gather", "the reads of this rank's input by", op_seq});
+  }
+}
+
+void Protocol::all_gather_pushed(void* out, const void* in, const std::vector<const char*>& out_at,
+                                 size_t shard_bytes, RegisteredId id, uint64_t op_seq,
+                                 uint64_t desc) {
+  const size_t mine = static_cast<size_t>(rank_) * shard_bytes;  // this rank's part of an output
+  char* my_part = static_cast<char*>(out) + mine;
+  announce(desc);
+  if (world_ > 1) {
+    id.number = ++registered_[0];
+    registered_ready(0, id, desc);
+    for (int i = 1; i < world_; ++i) {  // each peer on its lane: this rank's shard into its output
+      const int p = (rank_ + i) % world_;
+      const DescCheck check = registered_check(0, only_[p], id, desc);
+      t_->put_after(i, flag_in(rank_, kRegReady[0], p), p, id.number,
+                    {"all_gather", "the output of", op_seq}, desc ? &check : nullptr,
+                    const_cast<char*>(out_at[p]) + mine, in, shard_bytes,
+                    flag_in(p, kRegDone[0], rank_));
+    }
+  }
+  if (my_part != in && shard_bytes) t_->copy(0, my_part, in, shard_bytes);
   if (world_ > 1) {
     registered_finish(0, others_, id.number,
-                      {"all_gather", push ? "the shard pushed into this rank's output by"
-                                          : "the reads of this rank's input by", op_seq});
+                      {"all_gather", "the shard pushed into this rank's output by", op_seq});
   }
 }
 

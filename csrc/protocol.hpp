@@ -52,15 +52,17 @@ class Protocol {
   // sums its part of every rank's input, in rank order, as the ring form does), tells each
   // peer it is done, and completes once every peer is done with its input: as with NCCL, the
   // input may be reused once the call has completed.
-  // With push, each rank instead writes its own shard into every peer's output (which lies
-  // at the same place of that peer's pool: the id check guarantees it) once the peer said
-  // its output is ready, through Transport::put_after (never on a failed check); "done" then
-  // means "my shard is in your output". NVLink writes run at nearly twice the speed of reads
-  // from three peers at once (performance.md). Every rank must choose the same way: the
-  // pushed form's descriptor is of its own kind.
+  // all_gather_pushed: each rank instead writes its own shard `in` into every peer's output
+  // out_at[p] (which lies at the same place of that peer's pool: the id check guarantees it)
+  // once the peer said its output is ready, through Transport::put_after (never on a failed
+  // check); "done" then means "my shard is in your output". NVLink writes run at nearly twice
+  // the speed of reads from three peers at once (performance.md). Every rank must choose the
+  // same way: the pushed form's descriptor is of its own kind.
   void all_gather_registered(void* out, const std::vector<const char*>& in_at,
                              size_t shard_bytes, RegisteredId id, uint64_t op_seq,
-                             uint64_t desc = 0, bool push = false);
+                             uint64_t desc = 0);
+  void all_gather_pushed(void* out, const void* in, const std::vector<const char*>& out_at,
+                         size_t shard_bytes, RegisteredId id, uint64_t op_seq, uint64_t desc = 0);
   void reduce_scatter_registered(void* out, const std::vector<const char*>& in_at,
                                  size_t out_numel, size_t elem_size, const ReduceSpec& spec,
                                  RegisteredId id, uint64_t op_seq, uint64_t desc = 0);

@@ -12,34 +12,39 @@
 
 namespace odc {
 
-bool OdcBackend::registered_inputs(Channel& ch, bool ag, const at::Tensor& in,
-                                   const at::Tensor& out, size_t per_rank,
-                                   std::vector<const char*>* in_at, RegisteredId* id) const {
-  // Only the buffers FSDP2 allocates for its collectives qualify, so that every rank takes
-  // the same path: an all-gather in place (its output a whole registered buffer, its input
-  // this rank's part of it), a reduce-scatter whose input is a whole registered buffer.
-  // Other tensors in registered memory (views of it, such as FSDP2's gradients) take the
-  // staged path: whether a view is registered can differ between ranks.
+OdcBackend::Path OdcBackend::path_of(Channel& ch, bool ag, const at::Tensor& in,
+                                     const at::Tensor& out, size_t per_rank) const {
+  // Only buffers as allocate_tensor handed them out qualify, so that every rank takes the same
+  // path: a reduce-scatter's whole input; an all-gather's whole input, or its input as this
+  // rank's part of its whole output (in place, as FSDP2 issues it); a pushed all-gather's
+  // whole output. Other tensors in registered memory (views of it, such as FSDP2's
+  // gradients) take the staged path: whether a view is registered can differ between ranks.
+  Path path;
   const RegisteredPool* pool = ch.pool.get();
   const int rank = getRank(), world = getSize();
   const size_t whole = per_rank * world;
   size_t off = 0;
-  if (!pool || whole == 0) return false;
-  if (ag) {
-    if (static_cast<const char*>(in.data_ptr()) !=
-            static_cast<const char*>(out.data_ptr()) + static_cast<size_t>(rank) * per_rank ||
-        !pool->is_block(out.data_ptr(), whole, &off)) {
-      return false;
-    }
-  } else if (!pool->is_block(in.data_ptr(), whole, &off)) {
-    return false;
+  if (!pool || whole == 0) return path;
+  const char* in_p = static_cast<const char*>(in.data_ptr());
+  size_t part = 0;  // where rank r's piece lies past pool->base(r) + off
+  if (!ag) {
+    if (!pool->is_block(in_p, whole, &off)) return path;
+    path.way = Path::Way::Registered;
+  } else if (ch.push_all_gather) {
+    if (!pool->is_block(out.data_ptr(), whole, &off)) return path;
+    path.way = Path::Way::RegisteredPush;  // peers' outputs: this rank writes its part there
+  } else if (pool->is_block(in_p, per_rank, &off)) {
+    path.way = Path::Way::Registered;  // every rank's whole input
+  } else if (in_p == static_cast<const char*>(out.data_ptr()) + static_cast<size_t>(rank) * per_rank &&
+             pool->is_block(out.data_ptr(), whole, &off)) {
+    path.way = Path::Way::Registered;  // in place: rank r's input is its part of its output
+    part = per_rank;
+  } else {
+    return path;
   }
-  id->offset = off;
-  in_at->clear();
-  for (int r = 0; r < world; ++r) {
-    in_at->push_back(pool->base(r) + off + (ag ? static_cast<size_t>(r) * per_rank : 0));
-  }
-  return true;
+  path.id.offset = off;
+  for (int r = 0; r < world; ++r) path.at.push_back(pool->base(r) + off + r * part);
+  return path;
 }
 
 at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {

@@ -54,11 +54,14 @@ def _fill(t, seed):
     return t
 
 
-# (op, elements per rank, dtype, reduce op or in place); an all-gather not in place takes the
-# staged path even from registered memory (only whole buffers qualify); 300 000 bf16 elements per rank = 600 KB:
+# (op, elements per rank, dtype, reduce op or in place); an all-gather not in place reads its
+# registered input zero-copy, but pushes only into a registered output (its output here is
+# not: the staged path; only whole buffers qualify); "out": the output registered, the input
+# not, which pushes zero-copy and gets take staged; 300 000 bf16 elements per rank = 600 KB:
 # the fused kernel on CUDA; 1.5 M fp32 = 6 MB per rank: the copy engines where the fused kernel's
 # blocks would each move more than 1 MiB (ranks sharing a GPU), else the fused kernel too.
 CASES = [("ag", 1001, BF16, True), ("ag", 1000, F32, False), ("ag", 0, F32, True),
+         ("ag", 999, F32, "out"),
          ("rs", 1001, F32, dist.ReduceOp.SUM), ("rs", 1000, BF16, dist.ReduceOp.AVG),
          ("ag", 300_000, BF16, True), ("rs", 1_500_000, F32, dist.ReduceOp.SUM),
          ("ag", 1_500_000, F32, True)]
@@ -69,8 +72,9 @@ def _run_case(dev, case, registered, seed):
     world, rank = dist.get_world_size(), dist.get_rank()
     mk = (lambda k: _alloc(dev, k, dtype)) if registered else (lambda k: torch.empty(k, dtype=dtype, device=dev))
     if op == "ag":
-        out = mk(world * n) if how else torch.empty(world * n, dtype=dtype, device=dev)
-        inp = out[rank * n:(rank + 1) * n] if how else mk(n)
+        plain = lambda k: torch.empty(k, dtype=dtype, device=dev)
+        out = mk(world * n) if how else plain(world * n)
+        inp = out[rank * n:(rank + 1) * n] if how is True else plain(n) if how == "out" else mk(n)
         _fill(inp, seed + rank)
         dist.all_gather_into_tensor(out, inp)
         return out.cpu()
@@ -83,7 +87,7 @@ def _run_case(dev, case, registered, seed):
 def _matches_worker(rank, world, kind):
     dev = _device(kind)
     errors = []
-    cases = CASES if kind == "cuda" else CASES[:5]
+    cases = CASES if kind == "cuda" else CASES[:6]
     for rnd in range(3):  # buffers freed and allocated again: the same places, counters in step
         for i, case in enumerate(cases):
             staged = _run_case(dev, case, False, 100 * i + rnd)
@@ -92,9 +96,12 @@ def _matches_worker(rank, world, kind):
                 errors.append(f"round {rnd} case {case}: registered result differs from the staged one")
     if kind == "cuda":
         torch.cuda.synchronize()
-    # zero-copy: all-gathers in place, reduce-scatters (empty ones have no address: staged)
-    zero_copy = sum(c[1] > 0 and (c[0] == "rs" or c[3] is True) for c in cases)
-    gathers = sum(c[1] > 0 and c[0] == "ag" and c[3] is True for c in cases)
+    # zero-copy: reduce-scatters, all-gathers in place, and with gets those from a registered
+    # input into ordinary memory (empty ones have no address: staged)
+    push = os.environ.get("ODC_AG_PUSH") == "1"
+    zero_copy = sum(c[1] > 0 and (c[0] == "rs" or c[3] is True or (c[3] == "out") == push)
+                    for c in cases)
+    gathers = sum(c[1] > 0 and c[0] == "ag" and c[3] in (True, "out") for c in cases)
     return errors, _stats(dev), (len(cases) * 3, zero_copy * 3, gathers * 3)
 
 

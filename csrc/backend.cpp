@@ -27,13 +27,13 @@
 namespace odc {
 OdcBackend::OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                        c10::intrusive_ptr<odc::Options> options, InnerFactory inner,
-                       SplitFactory split_factory)
+                       CreatedHook on_split)
     : Backend(rank, size),
       store_(std::move(store)),
       options_(options ? std::move(options) : odc::Options::create()),
       timeout_ms_(std::make_shared<std::atomic<int64_t>>(options_->timeout.count())),
       inner_factory_(std::move(inner)),
-      split_factory_(std::move(split_factory)) {
+      on_split_(std::move(on_split)) {
   ODC_CHECK(options_->global_ranks_in_group.empty() ||
                 options_->global_ranks_in_group.size() == static_cast<size_t>(size),
             ValueError, "odc: options.global_ranks_in_group names ",
@@ -79,7 +79,6 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10
   }
   const auto me = std::find(ranks.begin(), ranks.end(), getRank());
   if (me == ranks.end()) return nullptr;
-  ODC_CHECK(split_factory_, Error, "odc: split: this backend was made without a split factory");
   const std::vector<int> parent = global_ranks();
   std::vector<int> global;
   for (int r : ranks) global.push_back(parent[r]);
@@ -93,8 +92,11 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10
   o->timeout = opts ? opts->timeout : options_->timeout;
   // The new group's keys live apart from those of other backends split with it (gloo).
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("odc/", store);
-  return split_factory_(prefixed, static_cast<int>(me - ranks.begin()),
-                        static_cast<int>(ranks.size()), o);
+  auto made = c10::make_intrusive<OdcBackend>(prefixed, static_cast<int>(me - ranks.begin()),
+                                             static_cast<int>(ranks.size()), o, inner_factory_,
+                                             on_split_);
+  if (on_split_) on_split_(made);
+  return made;
 }
 
 void OdcBackend::release_inners(bool abort) {

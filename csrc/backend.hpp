@@ -26,11 +26,15 @@
 
 namespace odc {
 
-using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::string&)>;
-// Makes the odc backend of a group split from this one (the Python layer: inner backends,
-// counters): (store, rank, size, the new group's options: cloned from this group's).
-using SplitFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
-    const c10::intrusive_ptr<c10d::Store>&, int, int, const c10::intrusive_ptr<odc::Options>&)>;
+class OdcBackend;
+// Makes a group's inner backend for a device type ("cpu": gloo, "cuda": NCCL), which serves
+// the collectives odc delegates: (the group's store, rank, size, options, device type). One
+// factory serves a group and every group split from it.
+using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const c10::intrusive_ptr<c10d::Store>&, int, int, const c10::intrusive_ptr<odc::Options>&,
+    const std::string&)>;
+// Told of each group split from this one, once made (ODC_STATS_DIR keeps their counters).
+using CreatedHook = std::function<void(const c10::intrusive_ptr<OdcBackend>&)>;
 
 // Argument helpers shared by the backend's collectives (checks.cpp).
 DType to_dtype(at::ScalarType t, const char* api);  // TypeError for a dtype odc cannot reduce
@@ -84,7 +88,7 @@ class OdcBackend final : public c10d::Backend {
   // default group, global rank = group rank).
   OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
              c10::intrusive_ptr<odc::Options> options, InnerFactory inner,
-             SplitFactory split_factory = nullptr);
+             CreatedHook on_split = nullptr);
   ~OdcBackend() override;
 
   const std::string getBackendName() const override { return "odc"; }
@@ -286,7 +290,7 @@ class OdcBackend final : public c10d::Backend {
   c10::intrusive_ptr<odc::Options> options_;
   std::shared_ptr<std::atomic<int64_t>> timeout_ms_;  // options_->timeout, shared with the transports
   InnerFactory inner_factory_;
-  SplitFactory split_factory_;
+  CreatedHook on_split_;
   std::map<c10::DeviceType, Channel> channels_;
   std::mutex inner_mu_;  // guards inners_; held while a factory (Python) creates one
   std::map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>> inners_;

@@ -2,6 +2,8 @@
 // build facts; the NVSHMEM runtime in NVSHMEM builds. Depends on the backend layer.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
+#include <type_traits>
+
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's type casters (not torch/extension.h: the whole C++ API)
 
 #include "backend.hpp"
@@ -22,10 +24,9 @@ bool python_finalizing() {
 #endif
 }
 
-// Wrap a Python callable returning a backend so C++ may call it (and drop it) from any
-// thread.
-template <typename... Args>
-std::function<c10::intrusive_ptr<c10d::Backend>(Args...)> wrap_factory(py::object fn) {
+// Wrap a Python callable (returning R) so C++ may call it (and drop it) from any thread.
+template <typename R, typename... Args>
+std::function<R(Args...)> wrap_python(py::object fn) {
   if (fn.is_none()) return nullptr;
   std::shared_ptr<py::object> holder(new py::object(std::move(fn)), [](py::object* o) {
     // Taking the GIL while the interpreter finalizes ends the thread from inside this
@@ -35,9 +36,13 @@ std::function<c10::intrusive_ptr<c10d::Backend>(Args...)> wrap_factory(py::objec
       delete o;
     }
   });
-  return [holder](Args... args) {
+  return [holder](Args... args) -> R {
     py::gil_scoped_acquire gil;
-    return (*holder)(args...).template cast<c10::intrusive_ptr<c10d::Backend>>();
+    if constexpr (std::is_void_v<R>) {
+      (*holder)(args...);
+    } else {
+      return (*holder)(args...).template cast<R>();
+    }
   };
 }
 
@@ -100,15 +105,17 @@ void bind_backend(BackendClass& backend) {
   backend
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        c10::intrusive_ptr<O> options, py::object inner_factory,
-                       py::object split_factory) {
+                       py::object on_split) {
+             using Store = c10::intrusive_ptr<c10d::Store>;
              return c10::make_intrusive<odc::OdcBackend>(
                  store, rank, size, std::move(options),
-                 wrap_factory<const std::string&>(std::move(inner_factory)),
-                 wrap_factory<const c10::intrusive_ptr<c10d::Store>&, int, int,
-                              const c10::intrusive_ptr<O>&>(std::move(split_factory)));
+                 wrap_python<c10::intrusive_ptr<c10d::Backend>, const Store&, int, int,
+                             const c10::intrusive_ptr<O>&, const std::string&>(
+                     std::move(inner_factory)),
+                 wrap_python<void, const c10::intrusive_ptr<odc::OdcBackend>&>(std::move(on_split)));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
-           py::arg("inner_factory"), py::arg("split_factory") = py::none())
+           py::arg("inner_factory"), py::arg("on_split") = py::none())
       .def_property_readonly(
           "options",
           [](odc::OdcBackend& b) {

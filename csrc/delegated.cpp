@@ -23,7 +23,7 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
   auto it = inners_.find(type);
   if (it != inners_.end()) return it->second;
   ODC_CHECK(inner_factory_, Error, "odc: no inner backend factory for delegated collectives");
-  auto b = inner_factory_(type == c10::kCUDA ? "cuda" : "cpu");
+  auto b = inner_factory_(store_, getRank(), getSize(), options_, type == c10::kCUDA ? "cuda" : "cpu");
   ODC_CHECK(b, Error, "odc: could not create the inner backend for ", c10::DeviceTypeName(type));
   b->setTimeout(options_->timeout);  // the group's, as setTimeout last set it
   inners_[type] = b;

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from torch_odc_backend import config
 from torch_odc_backend import nvshmem as odc_nvshmem
 from dist_utils import GPU_ENV, run_distributed
 
@@ -95,17 +96,19 @@ def test_nvshmem_stage_knob_and_routing(monkeypatch):
 
 
 def test_default_group_creation_brings_nvshmem_up(tmp_path, monkeypatch):
-    """The default group's odc backend calls the NVSHMEM hook (with its store, rank and
-    world) as it is created; later groups do not (their creation is not world-collective)."""
+    """The default group's odc backend calls the NVSHMEM hook (with its store, rank, world and
+    options) as it is created; later groups do not (their creation is not world-collective)."""
     import torch.distributed as dist
 
     calls = []
     monkeypatch.setattr(odc_nvshmem, "init_from_backend",
-                        lambda store, rank, world: calls.append((store.set("k", b"v"), rank, world)))
+                        lambda store, rank, world, options: calls.append(
+                            (store.set("k", b"v"), rank, world, options.ring_slots)))
+    monkeypatch.setenv("ODC_RING_SLOTS", "3")  # the group's options carry it to the hook
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("cpu:odc", store=store, rank=0, world_size=1)
     try:
-        assert calls == [(None, 0, 1)]
+        assert calls == [(None, 0, 1, 3)]
         dist.new_group([0])
         dist.barrier()
         assert len(calls) == 1
@@ -114,7 +117,7 @@ def test_default_group_creation_brings_nvshmem_up(tmp_path, monkeypatch):
     if not odc_nvshmem.available():  # the real hook is a no-op in builds without NVSHMEM
         monkeypatch.undo()
         monkeypatch.setenv("ODC_TRANSPORT", "nvshmem")
-        assert odc_nvshmem.init_from_backend(None, 0, 2) is False
+        assert odc_nvshmem.init_from_backend(None, 0, 2, config.knobs()) is False
 
 
 def _remote_env() -> bool:

@@ -13,23 +13,21 @@ from . import config
 from .config import OdcBackend
 
 
-def _make_inner(store, rank: int, size: int, timeout, group_name: str, global_ranks):
-    """Factory for the inner group that takes delegated collectives on a device type."""
-
-    def make(device_type: str):
-        prefixed = dist.PrefixStore(f"odc_inner_{device_type}/", store)
-        if device_type == "cuda":
-            if not dist.is_nccl_available():
-                raise RuntimeError("odc: this torch has no NCCL, and odc does not serve this "
-                                   "collective on CUDA tensors itself (point-to-point)")
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            opts.global_ranks_in_group = list(global_ranks)
-            opts.group_name = f"{group_name}:odc_inner"
-            return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-
-    return make
+def _make_inner(store, rank: int, size: int, options, device_type: str):
+    """A group's inner backend for a device type, which takes the collectives odc delegates:
+    gloo for "cpu", NCCL for "cuda" (the C++ backend calls it with the group's store, rank,
+    size and options, for a group made here and for every group split from it)."""
+    prefixed = dist.PrefixStore(f"odc_inner_{device_type}/", store)
+    if device_type == "cuda":
+        if not dist.is_nccl_available():
+            raise RuntimeError("odc: this torch has no NCCL, and odc does not serve this "
+                               "collective on CUDA tensors itself (point-to-point)")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = options._timeout
+        opts.global_ranks_in_group = list(options.global_ranks_in_group)
+        opts.group_name = f"{options.group_name}:odc_inner"
+        return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, size, options._timeout)
 
 
 _STATS: list[tuple[dict, OdcBackend]] = []  # ODC_STATS_DIR: the groups whose counters go out at exit
@@ -74,25 +72,34 @@ def _check_stats_dir(folder: str) -> None:
         raise ValueError(f"ODC_STATS_DIR={folder!r}: this process cannot write to that folder")
 
 
-def _new_backend(store, rank: int, size: int, options):
-    """The odc backend of one group with these options: what the creator and a split
-    (init_process_group with device_id: DeviceMesh, split_group; the options cloned from the
-    parent's in C++) have in common."""
-    group_name, global_ranks = options.group_name, list(options.global_ranks_in_group)
-    inner = _make_inner(store, rank, size, options._timeout, group_name, global_ranks)
-    backend = OdcBackend(store, rank, size, options, inner, _new_backend)
+def _keep_stats(backend, default: bool) -> None:
+    """ODC_STATS_DIR: remember the group, to write its counters at exit."""
     import os
 
-    if os.environ.get("ODC_STATS_DIR"):
-        _check_stats_dir(os.environ["ODC_STATS_DIR"])
-        if not _STATS:
-            import atexit
+    folder = os.environ.get("ODC_STATS_DIR")
+    if not folder:
+        return
+    _check_stats_dir(folder)
+    if not _STATS:
+        import atexit
 
-            atexit.register(_write_stats_at_exit)
-        # the default group is the one being created before the world is initialised
-        _STATS.append(({"group_name": group_name, "rank": dist.get_rank() if dist.is_initialized() else rank,
-                        "group_rank": rank, "size": size, "default": not dist.is_initialized(),
-                        "ranks": list(global_ranks) or list(range(size))}, backend))
+        atexit.register(_write_stats_at_exit)
+    options = backend.options
+    size = len(options.global_ranks_in_group)
+    _STATS.append(({"group_name": options.group_name, "rank": dist.get_rank() if dist.is_initialized() else backend.rank(),
+                    "group_rank": backend.rank(), "size": size, "default": default,
+                    "ranks": list(options.global_ranks_in_group)}, backend))
+
+
+def _new_backend(store, rank: int, size: int, options):
+    """The odc backend of one group with these options. Groups split from it (DeviceMesh,
+    split_group) are made by the C++ backend itself, with the same inner-backend factory."""
+    import os
+
+    on_split = (lambda b: _keep_stats(b, default=False)) if os.environ.get("ODC_STATS_DIR") else None
+    backend = OdcBackend(store, rank, size, options, _make_inner, on_split)
+    # the default group is the one being created before the world is initialised
+    _keep_stats(backend, default=not dist.is_initialized())
     return backend
 
 
@@ -104,7 +111,7 @@ def create_backend(opts, pg_options):
 
         # peers routed over NVSHMEM (ODC_TRANSPORT / ODC_HOST_SIZE): bring NVSHMEM up now,
         # world-collectively, with the unique id through this group's store
-        nvshmem.init_from_backend(opts.store, opts.group_rank, opts.group_size)
+        nvshmem.init_from_backend(opts.store, opts.group_rank, opts.group_size, options)
     return _new_backend(opts.store, opts.group_rank, opts.group_size, options)
 
 

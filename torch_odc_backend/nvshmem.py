@@ -59,12 +59,13 @@ def _round4k(n: int) -> int:
 _HEADROOM = 64 << 20  # slab bytes beyond the windows and arenas counted
 
 
-def _window_bytes(world: int) -> int:
-    """One group's communication window with the current ring knobs (about (world + 1) x
-    ODC_RING_SLOTS x ODC_CHUNK_BYTES), plus its staging rooms where peers are routed."""
-    k = config.knobs()
+def _window_bytes(world: int, options=None) -> int:
+    """One group's communication window with these options' ring sizes (default: the ODC_*
+    knobs'; about (world + 1) x ODC_RING_SLOTS x ODC_CHUNK_BYTES), plus its staging rooms
+    where peers are routed."""
+    k = options if options is not None else config.knobs()
     window = _C.window_bytes(world, k.chunk_bytes_for(cuda=True), k.ring_slots)
-    if _routed(world) and available():
+    if _routed(world, k) and available():
         window = _round4k(window) + stage_bytes(world)
     return window
 
@@ -75,9 +76,10 @@ def stage_bytes(world: int) -> int:
     return int(_C.nvshmem_stage_bytes(world))
 
 
-def default_slab_bytes(world: int, groups: int = 2) -> int:
-    """Room for ``groups`` groups' communication windows of ``world`` ranks, plus 64 MiB."""
-    return groups * _round4k(_window_bytes(world)) + _HEADROOM
+def default_slab_bytes(world: int, groups: int = 2, options=None) -> int:
+    """Room for ``groups`` groups' communication windows of ``world`` ranks (with these
+    options' ring sizes; default: the ODC_* knobs'), plus 64 MiB."""
+    return groups * _round4k(_window_bytes(world, options)) + _HEADROOM
 
 
 def blocks_for(model, accumulate: str = "local") -> list[int]:
@@ -103,10 +105,11 @@ def slab_bytes_for(model, accumulate: str = "local") -> int:
     return _slab_holding(blocks_for(model, accumulate))
 
 
-def _routed(world: int) -> bool:
-    """Whether the knobs put the default group's CUDA windows in NVSHMEM's heap (the
-    backend's own decision, ``Options.uses_nvshmem``)."""
-    return config.knobs().uses_nvshmem(list(range(world)))
+def _routed(world: int, options=None) -> bool:
+    """Whether these options (default: the ODC_* knobs) put the default group's CUDA windows
+    in NVSHMEM's heap (the backend's own decision, ``Options.uses_nvshmem``)."""
+    k = options if options is not None else config.knobs()
+    return k.uses_nvshmem(list(range(world)))
 
 
 def routes_some_peer(global_ranks) -> bool:
@@ -116,18 +119,20 @@ def routes_some_peer(global_ranks) -> bool:
     return config.knobs().routes_some_peer(list(global_ranks))
 
 
-def init_from_backend(store, rank: int, world: int) -> bool:
-    """Called by the default group's odc backend as it is created (on every rank): when the
-    knobs route some peer over NVSHMEM in an NVSHMEM build, initialise NVSHMEM with rank 0's
-    unique id from the group's store and allocate the default slab. Returns whether it did."""
-    if not available() or not torch.cuda.is_available() or not _routed(world):
+def init_from_backend(store, rank: int, world: int, options) -> bool:
+    """Called by the default group's odc backend as it is created (on every rank), with the
+    group's options: when they route some peer over NVSHMEM in an NVSHMEM build, initialise
+    NVSHMEM with rank 0's unique id from the group's store and allocate the default slab for
+    their ring sizes. Returns whether it did."""
+    if not available() or not torch.cuda.is_available() or not _routed(world, options):
         return False
     uid = b""  # already up in this process: join it (its PE numbering is checked)
     if _C.nvshmem_status()["init_status"] < 2:
         if rank == 0:
             store.set(_UID_KEY, _C.nvshmem_unique_id())
         uid = store.get(_UID_KEY)  # waits for rank 0, up to the store's timeout
-    _C.nvshmem_init(uid, rank, world, torch.cuda.current_device(), default_slab_bytes(world))
+    _C.nvshmem_init(uid, rank, world, torch.cuda.current_device(),
+                    default_slab_bytes(world, options=options))
     return True
 
 

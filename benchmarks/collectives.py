@@ -271,7 +271,16 @@ class Bench:
                     os.environ["ODC_TRANSPORT"] = before
         if use_odc and args.registered:  # the odc group again, its buffers from allocate_tensor
             self.groups["odc_registered"] = dist.group.WORLD
-        self.order = [b for b in ("odc", "odc_registered", "odc_nvshmem", self.ref) if b in self.groups]
+        if args.registered and self.ref == "nccl":
+            # NCCL's own registered memory beside plain NCCL: the NCCL group's allocate_tensor,
+            # what FSDP2's set_allocate_memory_from_process_group_for_comm gives NCCL
+            if self.ref_pg._get_backend(self.device).supports_tensor_alloc(self.device):
+                self.groups["nccl_registered"] = self.ref_pg
+            elif dist.get_rank() == 0:
+                print("[collectives] this NCCL group cannot allocate registered memory: "
+                      "nccl_registered is not measured", flush=True)
+        self.order = [b for b in ("odc", "odc_registered", "odc_nvshmem", self.ref, "nccl_registered")
+                      if b in self.groups]
         self.rows: list[dict] = []
         self.errors: list[str] = []
         self.dtype = torch.bfloat16
@@ -316,7 +325,10 @@ class Bench:
                                                   "ODC_TRANSPORT=nvshmem"} if "odc_nvshmem" in self.groups else {}),
                                **({"odc_registered": "the odc group, its buffers from its backend's "
                                                      "allocate_tensor (registered memory: zero-copy)"}
-                                  if "odc_registered" in self.groups else {})},
+                                  if "odc_registered" in self.groups else {}),
+                               **({"nccl_registered": "the NCCL group, its buffers from its backend's "
+                                                      "allocate_tensor (NCCL's registered memory)"}
+                                  if "nccl_registered" in self.groups else {})},
             "dtype": "bf16",
             "all_gather_inplace": True,
             "reduce_scatter_op": "SUM",
@@ -399,9 +411,10 @@ class Bench:
 
     # ---------------------------------------------------------------- collectives
     def buffer(self, backend, like):
-        """``like`` itself, or for odc_registered a copy of it in registered memory (the odc
-        backend's allocate_tensor, as FSDP2 allocates its buffers when asked to)."""
-        if backend != "odc_registered":
+        """``like`` itself, or for odc_registered / nccl_registered a copy of it in the group's
+        registered memory (its backend's allocate_tensor, as FSDP2 allocates its buffers when
+        asked to)."""
+        if backend not in ("odc_registered", "nccl_registered"):
             return like
         b = self.groups[backend]._get_backend(self.device)
         t = b.allocate_tensor(like.numel(), dtype=like.dtype, device=self.device)
@@ -717,6 +730,12 @@ class Bench:
             s[f"busbw_ratio_{b}_vs_{ref}"] = ratio
             s[f"min_busbw_ratio_ge_4MiB{suffix}"] = min4
             s[f"latency_ratio_{b}_vs_{ref}_1MiB"] = lat1
+        if any(k[1] == "nccl_registered" for k in by) and any(k[1] == "odc_registered" for k in by):
+            s["busbw_ratio_odc_registered_vs_nccl_registered"] = {
+                op: {size_label(sz): by[(op, "odc_registered", sz)]["busbw_GBps"] / by[(op, "nccl_registered", sz)]["busbw_GBps"]
+                     for sz in sorted({k[2] for k in by if k[0] == op})
+                     if (op, "odc_registered", sz) in by and (op, "nccl_registered", sz) in by}
+                for op in OPS}
         # odc per size (latency, host us, engine / SMs, floor): the zero-copy path where it was
         # measured (odc_staged then holds the staged path's), else the staged one
         primary = "odc_registered" if any(k[1] == "odc_registered" for k in by) else "odc"
@@ -932,7 +951,9 @@ def parse_args(argv=None):
                         "an odc group without the cross-rank descriptor check (ODC_MATCH_CHECK=0)")
     p.add_argument("--registered", action="store_true",
                    help="also measure odc with its buffers in registered memory (odc_registered: "
-                        "allocate_tensor, zero-copy); the summary's per-size keys then describe it")
+                        "allocate_tensor, zero-copy) and, against NCCL, NCCL with its own "
+                        "(nccl_registered); the summary's per-size keys then describe odc_registered "
+                        "and busbw_ratio_odc_registered_vs_nccl_registered compares the two")
     p.add_argument("--odc-nvshmem", action="store_true",
                    help="also measure an odc group whose peers all go through NVSHMEM (odc_nvshmem; "
                         "needs an ODC_WITH_NVSHMEM=1 build)")

@@ -316,6 +316,7 @@ class Bench:
             "date": date.isoformat(timespec="seconds"),
             "python": sys.version.split()[0],
             "reference_backend": self.ref,
+            "package": os.path.dirname(torch_odc_backend.__file__),  # which build of odc ran
             "lab": lab,
             "floor": self.floor,
             "process_groups": {"odc": default if use_odc else None,

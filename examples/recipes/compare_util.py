@@ -101,6 +101,35 @@ def compare_losses(got: list[float], ref: list[float], rtol: float) -> dict:
             "equal": len(got) == len(ref) and n > 0 and max(rel_diff) <= rtol}
 
 
+def carried_check(name: str, got: dict) -> tuple[bool, str]:
+    """Whether odc carried a run's FSDP collectives: every mesh group on odc and, on every rank,
+    its counters moved (decoupled mode's gets, adds and syncs; else all-gathers and
+    reduce-scatters)."""
+    backends = got["mesh_group_backend"]
+    counters = got["odc_counters_per_rank"]
+    keys = (("decoupled_gets", "decoupled_accumulates", "decoupled_syncs") if name == "decoupled"
+            else ("all_gather_ops", "reduce_scatter_ops"))
+    carried = backends == ["odc"] * got["world"] and all(c.get(k, 0) > 0 for c in counters for k in keys)
+    via = f" (init_process_group backend {got['pg_backend_string']!r})" if "pg_backend_string" in got else ""
+    return carried, (f"mesh group backends {backends}{via}; {', '.join(keys)} on rank 0: "
+                     f"{[counters[0].get(k, 0) for k in keys]}")
+
+
+def reference_check(c: dict, rtol: float) -> tuple[bool, str]:
+    """A ``compare_losses`` result as a check against the single-process reference."""
+    return c["equal"], (f"{'bitwise equal' if c['losses_bitwise_equal'] else 'not bitwise equal'}, "
+                        f"max rel diff {c['max_rel_loss_diff']:.3g} (rtol {rtol:g}) over {c['steps']} steps")
+
+
+def write_result(path: Path, result: dict, checks: dict, runs: dict, **printed) -> None:
+    """Write the recipe's result (with its checks) to ``path`` and print its summary."""
+    result["checks"] = {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}
+    path.write_text(json.dumps(result, indent=1))
+    summary = {name: {"losses": r["losses"], "wall_s": r["wall_s"]} for name, r in runs.items()}
+    print(json.dumps({"result": str(path), "runs": summary, "compare": result.get("compare", {}), **printed},
+                     indent=1))
+
+
 def verdict(checks: dict[str, tuple[bool, str]]) -> int:
     """Print one line per check and the verdict; return the exit status."""
     for name, (ok, detail) in checks.items():

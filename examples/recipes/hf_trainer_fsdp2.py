@@ -451,14 +451,7 @@ def compare(a) -> int:
         if got is None:
             continue
         if name != "switch":
-            backends = got["mesh_group_backend"]
-            counters = got["odc_counters_per_rank"]
-            keys = ("decoupled_gets", "decoupled_accumulates", "decoupled_syncs") if name == "decoupled" \
-                else ("all_gather_ops", "reduce_scatter_ops")
-            carried = backends == ["odc"] * got["world"] and all(c.get(k, 0) > 0 for c in counters for k in keys)
-            checks[f"{name}: odc carried FSDP's collectives"] = (
-                carried, f"mesh group backends {backends}; {', '.join(keys)} on rank 0: "
-                         f"{[counters[0].get(k, 0) for k in keys]}")
+            checks[f"{name}: odc carried FSDP's collectives"] = cu.carried_check(name, got)
             checks[f"{name}: ranks trained on the planned batches"] = (
                 got["ranks_trained_on_plan"], f"microbatches per rank and step {got['planned_microbatches_per_rank']}"
                 f", gradient_accumulation_steps {got['gradient_accumulation_steps']}")
@@ -469,15 +462,8 @@ def compare(a) -> int:
         if ref is not None and got["world"] == a.nproc:
             c = cmp[f"{name}_vs_single"] = cu.compare_losses(got["losses"], ref["losses"], a.rtol)
             if name != "switch":
-                checks[f"{name} vs single-process reference"] = (
-                    c["equal"], f"{'bitwise equal' if c['losses_bitwise_equal'] else 'not bitwise equal'}, "
-                                f"max rel diff {c['max_rel_loss_diff']:.3g} (rtol {a.rtol:g}) over {c['steps']} steps")
-    path = work / "hf_trainer_result.json"
-    result["checks"] = {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}
-    path.write_text(json.dumps(result, indent=1))
-    summary = {name: {"losses": r["losses"], "wall_s": r["wall_s"]} for name, r in runs.items()}
-    print(json.dumps({"result": str(path), "runs": summary, "compare": cmp,
-                      "switch": result.get("switch")}, indent=1))
+                checks[f"{name} vs single-process reference"] = cu.reference_check(c, a.rtol)
+    cu.write_result(work / "hf_trainer_result.json", result, checks, runs, switch=result.get("switch"))
     if "switch" in result:
         s = result["switch"]
         print(f"note switch: ODC_DEFAULT_BACKEND={a.device} without ddp_backend -> mesh group backend "

@@ -431,27 +431,15 @@ def compare(a) -> int:
         if name == "default":
             checks["default: the platform's backend"] = (backends[0] in ("gloo", "nccl"), f"mesh group {backends}")
         else:
-            counters = got["odc_counters_per_rank"]
-            keys = ("decoupled_gets", "decoupled_accumulates", "decoupled_syncs") if name == "decoupled" \
-                else ("all_gather_ops", "reduce_scatter_ops")
-            carried = backends == ["odc"] * got["world"] and all(c.get(k, 0) > 0 for c in counters for k in keys)
-            checks[f"{name}: odc carried FSDP's collectives"] = (
-                carried, f"mesh group backends {backends} (init_process_group backend {got['pg_backend_string']!r}); "
-                         f"{', '.join(keys)} on rank 0: {[counters[0].get(k, 0) for k in keys]}")
+            checks[f"{name}: odc carried FSDP's collectives"] = cu.carried_check(name, got)
         checks[f"{name}: ranks trained on the planned batches"] = (
             got["ranks_trained_on_plan"], f"microbatches per rank and step {got['microbatches_per_rank']}")
         if ref is not None:
             c = cmp[f"{name}_vs_single"] = cu.compare_losses(got["losses"], ref["losses"], a.rtol)
-            checks[f"{name} vs single-process reference"] = (
-                c["equal"], f"{'bitwise equal' if c['losses_bitwise_equal'] else 'not bitwise equal'}, "
-                            f"max rel diff {c['max_rel_loss_diff']:.3g} (rtol {a.rtol:g}) over {c['steps']} steps")
+            checks[f"{name} vs single-process reference"] = cu.reference_check(c, a.rtol)
     if "odc" in runs and "default" in runs:
         cmp["odc_vs_default"] = cu.compare_losses(runs["odc"]["losses"], runs["default"]["losses"], a.rtol)
-    path = work / "lightning_result.json"
-    result["checks"] = {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}
-    path.write_text(json.dumps(result, indent=1))
-    summary = {name: {"losses": r["losses"], "wall_s": r["wall_s"]} for name, r in runs.items()}
-    print(json.dumps({"result": str(path), "runs": summary, "compare": cmp}, indent=1))
+    cu.write_result(work / "lightning_result.json", result, checks, runs)
     return cu.verdict(checks)
 
 

@@ -4,22 +4,21 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "text.hpp"
 
 namespace odc {
-namespace {
 
-std::vector<uint8_t> this_host() {
+std::string host_name() {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
-  return std::vector<uint8_t>(host, host + std::strlen(host));
+  return host;
 }
 
+namespace {
+
 std::vector<std::string> host_labels(const TransportArgs& a, const Options& o) {
-  const std::vector<uint8_t> name = this_host();
-  std::string mine(name.begin(), name.end());
+  std::string mine = host_name();
   const int64_t g = o.global_ranks_in_group.empty() ? a.rank : o.global_ranks_in_group[a.rank];
   if (o.host_size > 0) mine += cat(" #", g / o.host_size);
   std::vector<std::string> labels;
@@ -79,7 +78,8 @@ Placement place_gpu_ranks(const TransportArgs& a, const Options& o,
   Placement p;
   p.rank = a.rank;
   p.hosts = host_labels(a, o);
-  std::vector<uint8_t> mine = this_host();
+  const std::string host = host_name();
+  std::vector<uint8_t> mine(host.begin(), host.end());
   mine.push_back('/');
   mine.insert(mine.end(), gpu_uuid.begin(), gpu_uuid.end());
   p.gpus = exchange_blobs(a, "device", mine);

@@ -37,6 +37,9 @@ struct Placement {
   bool own_gpus() const;
 };
 
+// This machine's host name (what ranks on one host share).
+std::string host_name();
+
 // CPU tensors: host shared memory connects the ranks of one host only.
 Placement place_host_ranks(const TransportArgs& a, const Options& o);
 // CUDA tensors on the GPU whose UUID is `gpu_uuid`: CUDA IPC connects one host's GPUs,

@@ -85,9 +85,8 @@ def _keep_stats(backend, default: bool) -> None:
 
         atexit.register(_write_stats_at_exit)
     options = backend.options
-    size = len(options.global_ranks_in_group)
     _STATS.append(({"group_name": options.group_name, "rank": dist.get_rank() if dist.is_initialized() else backend.rank(),
-                    "group_rank": backend.rank(), "size": size, "default": default,
+                    "group_rank": backend.rank(), "size": backend.size(), "default": default,
                     "ranks": list(options.global_ranks_in_group)}, backend))
 
 

@@ -1,20 +1,13 @@
 // Layer 2, a transport's memory: CUDA IPC (device_memory.hpp). Every rank cudaMallocs its
 // window or arena and opens its peers' through CUDA IPC handles exchanged in the store.
-#include <unistd.h>
-
 #include <cstring>
 #include <stdexcept>
 
+#include "../placement.hpp"
 #include "device_memory.hpp"
 
 namespace odc {
 namespace {
-
-std::string host_name() {
-  char buf[256] = {0};
-  gethostname(buf, sizeof(buf) - 1);
-  return buf;
-}
 
 // CUDA IPC: cudaMalloc `bytes` (zeroed) on this GPU and open every rank's buffer through
 // CUDA IPC (all ranks on one host; `tag` names the rendezvous in the store).

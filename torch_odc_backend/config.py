@@ -127,3 +127,26 @@ def options_from_env(timeout=None, group_name: str = "", global_ranks=(),
 def knobs() -> OdcBackend.Options:
     """The ODC_* knobs as options (no group): validates them, and tells routing and ring sizes."""
     return options_from_env()
+
+
+# ---- process-wide knobs of the integrations (not backend options)
+
+VERL_ROLES = ("actor", "critic", "reference")
+
+
+def verl_roles() -> frozenset[str]:
+    """ODC_VERL_ROLES: which of verl's FSDP engines the odc engine takes over
+    (``torch_odc_backend.verl``): a comma-separated subset of actor, critic, reference;
+    ``none`` for none (verl's own engine everywhere). Unset: actor and critic, the ones that
+    train; the reference model's forward passes stay on verl's engine and NCCL."""
+    raw = os.environ.get("ODC_VERL_ROLES", "").strip().lower()
+    if not raw:
+        return frozenset({"actor", "critic"})
+    if raw == "none":
+        return frozenset()
+    roles = {r.strip() for r in raw.split(",") if r.strip()}
+    bad = sorted(roles - set(VERL_ROLES))
+    if bad or not roles:
+        raise ValueError(f"ODC_VERL_ROLES={raw!r}: expected 'none' or a comma-separated subset of "
+                         f"{', '.join(VERL_ROLES)} (unknown: {', '.join(bad) or 'empty'})")
+    return frozenset(roles)

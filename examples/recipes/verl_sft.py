@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""verl's SFT trainer (``verl.trainer.sft_trainer``) with the odc engine against verl's own FSDP2
+engine: the same model, data and settings; the odc run adds only
+``model.external_lib=torch_odc_backend.verl``.
+
+    python examples/recipes/verl_sft.py compare --work DIR [--device cuda] [--nproc 4]
+        [--size 0.5b] [--steps 8] [--straggler 3:1.3]
+
+Needs verl (docs/trainers.md gives the versions). ``compare`` writes a tokenizer, a Qwen2
+model of random weights (``--size``) and a chat data set whose answer lengths are long-tailed
+(Pareto) into DIR, trains each engine for ``--steps`` optimizer steps under torchrun, and
+writes ``DIR/verl_sft_result.json``: per-step losses and gradient norms of both runs, their
+step times and tokens/s (after ``--warmup`` steps), the per-rank microbatch counts of the odc
+run, what odc carried (``ODC_STATS_DIR``), and the checks (losses and gradient norms equal
+within ``--rtol``, odc carried the data-parallel collectives, ranks' microbatch counts
+differed). Step times come from when each step's metrics line reached verl's file logger.
+
+verl has no CPU engine: on CPU, pass ``--entry tests/integrations/verl_cpu_shim/sft_cpu.py``
+(it registers a CPU platform and verl's own engine for it, then runs verl's trainer).
+``--straggler RANK:FACTOR`` slows rank RANK's forward passes by FACTOR in both runs
+(examples/recipes/verl_straggler.py, loaded through ``VERL_USE_EXTERNAL_MODULES``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+RESULT = "verl_sft_result.json"
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Qwen2-style shapes (random weights): hidden, layers, heads, kv heads, MLP, vocab
+SIZES = {"tiny": (64, 2, 4, 2, 128, 320), "0.5b": (896, 24, 14, 2, 4864, 32768),
+         "1.5b": (1536, 28, 12, 2, 8960, 32768)}
+WORDS = ("the a cat dog sat on mat what is two plus three answer five ok yes no number add sum of "
+         "and river stone light green across under over quick slow bright").split()
+
+
+# ---- assets: tokenizer, model, data
+
+def make_tokenizer(path: Path):
+    """A byte-level BPE over the data's words, with a ChatML chat template (verl's SFT data set
+    tokenises conversations with it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(200)] + ["user assistant system"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 chat_template=template)
+    hf.save_pretrained(path)
+    return hf
+
+
+def make_model(path: Path, size: str, tokenizer) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, layers, heads, kv, mlp, vocab = SIZES[size]
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=max(vocab, len(tokenizer)), hidden_size=hidden, intermediate_size=mlp,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                      max_position_embeddings=32768, tie_word_embeddings=False,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+def make_data(path: Path, rows: int, max_words: int, seed: int) -> list[int]:
+    """Conversations whose answers have long-tailed lengths (Pareto, capped); returns them."""
+    import pandas as pd
+
+    rng = random.Random(seed)
+    lengths = [min(max_words, int(rng.paretovariate(1.2) * max_words / 40) + 8) for _ in range(rows)]
+    talk = [[{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))},
+             {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(n))}] for n in lengths]
+    pd.DataFrame({"messages": talk}).to_parquet(path)
+    return lengths
+
+
+# ---- one run of verl's trainer
+
+def overrides(a, work: Path, name: str) -> list[str]:
+    """verl's Hydra overrides of one run (the same for both engines but the output places)."""
+    cpu = a.device == "cpu"
+    o = [f"model.path={work / 'model'}", "+model.override_config.attn_implementation=sdpa",
+         "model.use_remove_padding=True", f"model.enable_gradient_checkpointing={not cpu}",
+         "engine=fsdp", "engine.strategy=fsdp2", "engine.use_torch_compile=False",
+         f"optim.lr={a.lr}", f"data.train_files={work / 'train.parquet'}",
+         f"data.train_batch_size={a.batch}", "data.micro_batch_size_per_gpu=1",
+         "data.use_dynamic_bsz=True", f"data.max_token_len_per_gpu={a.max_tokens}",
+         "data.pad_mode=no_padding", f"data.max_length={a.max_tokens}", "data.truncation=right",
+         f"data.num_workers={0 if cpu else 2}", f"trainer.device={a.device}",
+         f"trainer.total_training_steps={a.steps}", "trainer.total_epochs=100",
+         "trainer.logger=[console,file]", "trainer.save_freq=-1", "trainer.test_freq=-1",
+         "trainer.resume_mode=disable", f"trainer.default_local_dir={work / ('ckpt_' + name)}",
+         "trainer.project_name=odc_verl_sft", f"trainer.experiment_name={name}", f"trainer.seed={a.seed}"]
+    if cpu:  # fp32 throughout: the comparison is then reassociation alone
+        o += ["engine.model_dtype=fp32", "+engine.mixed_precision.param_dtype=fp32",
+              "+engine.mixed_precision.reduce_dtype=fp32", "+engine.mixed_precision.buffer_dtype=fp32"]
+    if name == "odc":
+        o.append("model.external_lib=torch_odc_backend.verl")
+    return o
+
+
+def follow(path: Path, times: dict, stop: threading.Event) -> None:
+    """Record when each step's line reaches verl's file logger (a step's end, on rank 0)."""
+    seen = 0
+    while not stop.is_set():
+        if path.exists():
+            lines = path.read_text().splitlines()
+            for line in lines[seen:]:
+                try:
+                    times[json.loads(line)["step"]] = time.time()
+                except (ValueError, KeyError):
+                    break
+                seen += 1
+        time.sleep(0.02)
+
+
+def run_engine(a, work: Path, name: str) -> dict:
+    metrics, stats = work / f"{name}_metrics.jsonl", work / f"{name}_odc_stats"
+    metrics.unlink(missing_ok=True)
+    env = dict(os.environ, **GPU_ENV, VERL_FILE_LOGGER_PATH=str(metrics), WANDB_MODE="disabled",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1", ODC_STATS_DIR=str(stats))
+    paths = [str(REPO)] + ([str(Path(a.entry).resolve().parent)] if a.entry else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if a.device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    if a.straggler:
+        env["VERL_USE_EXTERNAL_MODULES"] = "verl_straggler"
+        env["ODC_RECIPE_STRAGGLER"] = a.straggler
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
+    entry = [str(Path(a.entry).resolve())] if a.entry else ["-m", "verl.trainer.sft_trainer"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
+           *entry, *overrides(a, work, name)]
+    times: dict = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=follow, args=(metrics, times, stop), daemon=True)
+    watcher.start()
+    log = work / f"{name}.log"
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout)
+    time.sleep(0.1)
+    stop.set()
+    watcher.join()
+    if proc.returncode != 0 or not metrics.exists():
+        raise RuntimeError(f"{name}: exited with {proc.returncode}; log {log}:\n{log.read_text()[-6000:]}")
+    return summarise([json.loads(x) for x in metrics.read_text().splitlines()], times, stats, a,
+                     wall_s=time.time() - t0, log=str(log))
+
+
+def summarise(lines: list[dict], times: dict, stats: Path, a, **extra) -> dict:
+    steps = [x["step"] for x in lines]
+    data = [x["data"] for x in lines]
+    timed = [s for s in steps if s > a.warmup and s - 1 in times and s in times]
+    step_s = [times[s] - times[s - 1] for s in timed]
+    tokens = {x["step"]: x["data"].get("train/global_tokens", 0) for x in lines}
+    out = {"steps": steps, "losses": [d["train/loss"] for d in data],
+           "grad_norms": [d.get("train/grad_norm") for d in data],
+           "step_s": step_s, "tokens_per_s": sum(tokens[s] for s in timed) / sum(step_s) if step_s else None,
+           "microbatches_per_rank": [d.get("odc/microbatches") for d in data],
+           "peak_memory_gb": [d.get("perf/max_memory_allocated_gb") for d in data], **extra}
+    files = sorted(stats.glob("odc_stats_rank*.json")) if stats.exists() else []
+    out["odc_stats"] = [json.loads(f.read_text()) for f in files]
+    return out
+
+
+# ---- the comparison
+
+def close(got, ref, rtol: float) -> dict:
+    n = min(len(got), len(ref))
+    rel = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(got[:n], ref[:n])]
+    return {"steps": n, "max_rel_diff": max(rel) if rel else None, "rtol": rtol,
+            "equal": n > 0 and len(got) == len(ref) and max(rel) <= rtol}
+
+
+def counters(run: dict) -> list[dict]:
+    """Per rank, the summed counters of its odc groups."""
+    out = []
+    for rank in run["odc_stats"]:
+        total: dict = {}
+        for g in rank.get("groups", []):
+            for k, v in g.get("stats", {}).items():
+                total[k] = total.get(k, 0) + v
+        out.append(total)
+    return out
+
+
+def compare(a) -> int:
+    work = Path(a.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(work / "model")
+    make_model(work / "model", a.size, tok)
+    lengths = make_data(work / "train.parquet", a.rows, a.max_words, a.seed)
+    runs = {name: run_engine(a, work, name) for name in a.engines.split(",")}
+    result = {"device": a.device, "nproc": a.nproc, "size": a.size, "args": vars(a),
+              "answer_words": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
+              "runs": runs, "versions": versions()}
+    checks = {}
+    if {"stock", "odc"} <= runs.keys():
+        stock, odc = runs["stock"], runs["odc"]
+        result["compare"] = {"losses": close(odc["losses"], stock["losses"], a.rtol),
+                             "grad_norms": close(odc["grad_norms"], stock["grad_norms"], a.rtol)}
+        if stock["tokens_per_s"] and odc["tokens_per_s"]:
+            result["summary"] = {"speedup_vs_stock": odc["tokens_per_s"] / stock["tokens_per_s"]}
+        per_rank = counters(odc)
+        counts = [c for c in odc["microbatches_per_rank"] if c]
+        checks = {
+            "losses equal": (result["compare"]["losses"]["equal"], str(result["compare"]["losses"])),
+            "gradient norms equal": (result["compare"]["grad_norms"]["equal"], str(result["compare"]["grad_norms"])),
+            "odc carried the FSDP collectives": (
+                len(per_rank) == a.nproc and all(c.get("decoupled_gets", 0) > 0 and c.get("decoupled_syncs", 0) > 0
+                                                 for c in per_rank),
+                f"decoupled gets / syncs per rank: {[(c.get('decoupled_gets'), c.get('decoupled_syncs')) for c in per_rank]}"),
+            "ranks ran their own microbatch counts": (
+                any(len({x[0] if isinstance(x, list) else x for x in step}) > 1 for step in counts),
+                f"microbatches per rank per step: {counts}"),
+        }
+    result["checks"] = {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}
+    (work / RESULT).write_text(json.dumps(result, indent=1))
+    for k, (ok, d) in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {k}: {d}")
+    print(json.dumps({n: {"losses": r["losses"], "tokens_per_s": r["tokens_per_s"]} for n, r in runs.items()},
+                     indent=1))
+    passed = all(ok for ok, _ in checks.values())
+    print(f"VERDICT: {'PASS' if passed else 'FAIL'} ({sum(ok for ok, _ in checks.values())}/{len(checks)} checks)")
+    return 0 if passed else 1
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "verl", "transformers", "tensordict"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare", help="stock and odc runs of verl's SFT trainer, compared")
+    c.add_argument("--work", required=True)
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    c.add_argument("--nproc", type=int, default=2)
+    c.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    c.add_argument("--engines", default="stock,odc")
+    c.add_argument("--steps", type=int, default=5)
+    c.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
+    c.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (all ranks)")
+    c.add_argument("--rows", type=int, default=256, help="conversations in the data set")
+    c.add_argument("--max-words", type=int, default=200, help="the longest answer, in words")
+    c.add_argument("--max-tokens", type=int, default=512, help="verl's max_token_len_per_gpu (and max_length)")
+    c.add_argument("--lr", type=float, default=1e-3)
+    c.add_argument("--seed", type=int, default=1)
+    c.add_argument("--rtol", type=float, default=1e-5)
+    c.add_argument("--straggler", default=None, help="RANK:FACTOR, e.g. 3:1.3")
+    c.add_argument("--entry", default=None, help="a torchrun entry point instead of verl's module (CPU)")
+    c.add_argument("--timeout", type=float, default=1800)
+    a = p.parse_args(argv)
+    return compare(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

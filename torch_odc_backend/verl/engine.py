@@ -1,0 +1,129 @@
+"""verl's FSDP2 engines on odc groups, in decoupled mode with LB-Mini microbatches.
+
+Subclasses of verl's ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` that override four
+of their methods and nothing else of verl: ``_init_device_mesh`` (odc groups),
+``_build_fsdp_module`` (registered memory on GPUs), ``forward_backward_batch`` (this rank's
+LB-Mini share of the minibatch, decoupled) and ``optimizer_step`` (``odc.sync`` first).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+
+import torch_odc_backend as odc
+
+from ..balance import TransformerCost
+from ..config import verl_roles
+from .minibatch import odc_mesh_like, share_of_minibatch
+
+__all__ = ["OdcFSDPEngineWithLMHead", "OdcFSDPEngineWithValueHead", "register"]
+
+
+class _OdcEngine:
+    """What the odc engines add to verl's FSDP engine (a mixin: it comes first in the bases)."""
+
+    def _init_device_mesh(self):
+        super()._init_device_mesh()
+        self.odc_role = ("critic" if isinstance(self, FSDPEngineWithValueHead)
+                         else "reference" if self.engine_config.forward_only else "actor")
+        self.odc_enabled = self.odc_role in verl_roles()
+        self._odc_decoupled = False
+        self._odc_unsynced = False
+        self._odc_cost = None  # LB-Mini's cost model, from the model's config at first use
+        if self.odc_enabled:
+            self._refuse_unsupported()
+            self.device_mesh = odc_mesh_like(self.device_mesh)
+
+    def _refuse_unsupported(self) -> None:
+        cfg = self.engine_config
+        unsupported = {
+            "strategy other than fsdp2": cfg.strategy != "fsdp2",
+            "ulysses_sequence_parallel_size > 1": self.ulysses_sequence_parallel_size > 1,
+            "param_offload": bool(cfg.param_offload),
+            "optimizer_offload": bool(cfg.optimizer_offload),
+            "LoRA (model.lora_rank > 0)": self.model_config.lora_rank > 0,
+        }
+        found = [what for what, on in unsupported.items() if on]
+        if found:
+            raise ValueError(f"torch_odc_backend.verl ({self.odc_role}): not supported with "
+                             f"{', '.join(found)}; set ODC_VERL_ROLES to leave the {self.odc_role} "
+                             "on verl's engine (docs/trainers.md)")
+
+    def _build_fsdp_module(self, module):
+        module = super()._build_fsdp_module(module)
+        if self.odc_enabled and self.device_mesh.device_type == "cuda":
+            odc.use_registered_memory(module)  # zero-copy collectives before decoupling
+        return module
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if forward_only or not self.odc_enabled:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        if not self._odc_decoupled:  # at the first minibatch: after verl loaded any checkpoint
+            odc.decouple(self.module, self.optimizer)
+            self._odc_decoupled = True
+        if tu.get_non_tensor_data(data=data, key="return_model_output", default=False):
+            raise ValueError("torch_odc_backend.verl: return_model_output is not supported (a rank "
+                             "trains other ranks' samples: their outputs are not its own)")
+        tu.assign_non_tensor(data, sp_size=1)
+        # the loss is normalised by the minibatch's tokens over every rank, as verl does
+        tokens = data["loss_mask"].sum().to(get_device_id())
+        dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=tokens.item(), dp_size=self.get_data_parallel_size())
+
+        scaler = getattr(self, "scaler", None)
+        outputs = []
+        for i, micro_batch in enumerate(self._microbatches(data)):
+            with torch.profiler.record_function(f"micro_batch{i}"):
+                loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=False)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                meta.pop("model_output", None)
+            outputs.append(meta)
+        self._odc_unsynced = True
+        out = postprocess_batch_func(output_lst=outputs, indices=None, data=data)
+        out["metrics"]["odc/microbatches"] = [len(outputs)]  # this rank's count (verl gathers them)
+        return out
+
+    def _microbatches(self, data):
+        """This rank's microbatches of the minibatch: with verl's dynamic batch size (token
+        budget ``max_token_len_per_gpu``), its LB-Mini share of every rank's samples; with a
+        fixed microbatch size, its own samples, chunked as verl chunks them."""
+        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            return prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=False)[0]
+        if self._odc_cost is None:
+            self._odc_cost = TransformerCost.from_hf_config(self.model_config.hf_config)
+        return share_of_minibatch(data, max_tokens=int(data["max_token_len_per_gpu"]),
+                                  cost=self._odc_cost, group=self.get_data_parallel_group())
+
+    def optimizer_step(self):
+        if self._odc_unsynced:  # the one synchronisation of the minibatch; .grad is final after it
+            odc.sync(self.module)
+            self._odc_unsynced = False
+        return super().optimizer_step()
+
+
+class OdcFSDPEngineWithLMHead(_OdcEngine, FSDPEngineWithLMHead):
+    """verl's language-model FSDP2 engine (actor, SFT, reference) on odc."""
+
+
+class OdcFSDPEngineWithValueHead(_OdcEngine, FSDPEngineWithValueHead):
+    """verl's value-model FSDP2 engine (critic) on odc."""
+
+
+def register(device: str | None = None, vendor: str | None = None) -> None:
+    """Register both engines for verl's ``fsdp2`` strategy on ``(device, vendor)``, by default
+    the platform verl runs on (NVIDIA GPUs: ``("cuda", "nvidia")``): verl's ``EngineRegistry``
+    looks that key up before its own device-wide FSDP engines."""
+    from verl.utils.device import get_device_name, get_vendor
+
+    device = device or get_device_name()
+    vendor = vendor or get_vendor()
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"torch_odc_backend.verl: odc runs on CUDA GPUs and CPUs, not on {device!r}")
+    for model_type, engine in (("language_model", OdcFSDPEngineWithLMHead),
+                               ("value_model", OdcFSDPEngineWithValueHead)):
+        EngineRegistry.register(model_type=model_type, backend="fsdp2", device=device, vendor=vendor)(engine)

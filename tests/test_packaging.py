@@ -205,8 +205,12 @@ def test_setup_py_describes_only_the_extension():
 def test_runtime_imports_are_declared():
     # numpy: imported lazily by odc.balance.FittedCost.fit only (in the test extra)
     imports = _third_party_imports((ROOT / "torch_odc_backend").rglob("*.py"))
-    # _torch_odc_backend_autoload: this distribution's own entry-point module
-    assert imports <= {"torch", "numpy", "_torch_odc_backend_autoload"}, imports
+    # _torch_odc_backend_autoload: this distribution's own entry-point module; verl: only
+    # torch_odc_backend.verl, odc's engines for verl (the verl extra)
+    assert imports <= {"torch", "numpy", "_torch_odc_backend_autoload", "verl"}, imports
+    outside = _third_party_imports(p for p in (ROOT / "torch_odc_backend").rglob("*.py") if "verl" not in p.parts)
+    assert "verl" not in outside, outside
+    assert "verl" in _names(_pyproject()["project"]["optional-dependencies"]["verl"])
     assert _third_party_imports([ROOT / "_torch_odc_backend_autoload.py"]) <= {"torch"}
 
 

@@ -17,8 +17,9 @@ differed). Step times come from when each step's metrics line reached verl's fil
 
 verl has no CPU engine: on CPU, pass ``--entry tests/integrations/verl_cpu_shim/sft_cpu.py``
 (it registers a CPU platform and verl's own engine for it, then runs verl's trainer).
-``--straggler RANK:FACTOR`` slows rank RANK's forward passes by FACTOR in both runs
-(examples/recipes/verl_straggler.py, loaded through ``VERL_USE_EXTERNAL_MODULES``).
+``--straggler RANK:FACTOR`` runs every engine a second time (``<engine>_straggler``) with rank
+RANK about FACTOR times slower (examples/recipes/verl_straggler.py, loaded through
+``VERL_USE_EXTERNAL_MODULES``).
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ def make_data(path: Path, rows: int, max_words: int, seed: int) -> list[int]:
 # ---- one run of verl's trainer
 
 def overrides(a, work: Path, name: str) -> list[str]:
+    engine = name.removesuffix("_straggler")
     """verl's Hydra overrides of one run (the same for both engines but the output places)."""
     cpu = a.device == "cpu"
     o = [f"model.path={work / 'model'}", "+model.override_config.attn_implementation=sdpa",
@@ -112,7 +114,7 @@ def overrides(a, work: Path, name: str) -> list[str]:
     if cpu:  # fp32 throughout: the comparison is then reassociation alone
         o += ["engine.model_dtype=fp32", "+engine.mixed_precision.param_dtype=fp32",
               "+engine.mixed_precision.reduce_dtype=fp32", "+engine.mixed_precision.buffer_dtype=fp32"]
-    if name == "odc":
+    if engine in ("odc", "odc_off"):
         o.append("model.external_lib=torch_odc_backend.verl")
     return o
 
@@ -142,7 +144,9 @@ def run_engine(a, work: Path, name: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     if a.device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
-    if a.straggler:
+    if name.startswith("odc_off"):  # the setting with the engine turned off: verl's own engine runs
+        env["ODC_VERL_ROLES"] = "none"
+    if name.endswith("_straggler"):
         env["VERL_USE_EXTERNAL_MODULES"] = "verl_straggler"
         env["ODC_RECIPE_STRAGGLER"] = a.straggler
         env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
@@ -193,6 +197,11 @@ def close(got, ref, rtol: float) -> dict:
             "equal": n > 0 and len(got) == len(ref) and max(rel) <= rtol}
 
 
+def _peak(run: dict) -> float:
+    """The largest peak allocated memory (GB) verl reported over the steps (rank 0's)."""
+    return max((x for x in run["peak_memory_gb"] if x is not None), default=0.0)
+
+
 def counters(run: dict) -> list[dict]:
     """Per rank, the summed counters of its odc groups."""
     out = []
@@ -211,7 +220,10 @@ def compare(a) -> int:
     tok = make_tokenizer(work / "model")
     make_model(work / "model", a.size, tok)
     lengths = make_data(work / "train.parquet", a.rows, a.max_words, a.seed)
-    runs = {name: run_engine(a, work, name) for name in a.engines.split(",")}
+    names = a.engines.split(",")
+    if a.straggler:  # every run again with the slow rank
+        names += [f"{n}_straggler" for n in names]
+    runs = {name: run_engine(a, work, name) for name in names}
     result = {"device": a.device, "nproc": a.nproc, "size": a.size, "args": vars(a),
               "answer_words": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
               "runs": runs, "versions": versions()}
@@ -220,8 +232,15 @@ def compare(a) -> int:
         stock, odc = runs["stock"], runs["odc"]
         result["compare"] = {"losses": close(odc["losses"], stock["losses"], a.rtol),
                              "grad_norms": close(odc["grad_norms"], stock["grad_norms"], a.rtol)}
-        if stock["tokens_per_s"] and odc["tokens_per_s"]:
-            result["summary"] = {"speedup_vs_stock": odc["tokens_per_s"] / stock["tokens_per_s"]}
+        if {"stock_straggler", "odc_straggler"} <= runs.keys():
+            result["compare"]["losses_straggler"] = close(runs["odc_straggler"]["losses"],
+                                                          runs["stock_straggler"]["losses"], a.rtol)
+        result["summary"] = {}
+        for tag in ("", "_straggler"):
+            s_run, o_run = runs.get("stock" + tag), runs.get("odc" + tag)
+            if s_run and o_run and s_run["tokens_per_s"] and o_run["tokens_per_s"]:
+                result["summary"]["speedup_vs_stock" + tag] = o_run["tokens_per_s"] / s_run["tokens_per_s"]
+                result["summary"]["peak_memory_ratio" + tag] = _peak(o_run) / _peak(s_run) if _peak(s_run) else None
         per_rank = counters(odc)
         counts = [c for c in odc["microbatches_per_rank"] if c]
         checks = {
@@ -239,8 +258,8 @@ def compare(a) -> int:
     (work / RESULT).write_text(json.dumps(result, indent=1))
     for k, (ok, d) in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {k}: {d}")
-    print(json.dumps({n: {"losses": r["losses"], "tokens_per_s": r["tokens_per_s"]} for n, r in runs.items()},
-                     indent=1))
+    print(json.dumps({"runs": {n: {"losses": r["losses"], "tokens_per_s": r["tokens_per_s"]} for n, r in runs.items()},
+                      "summary": result.get("summary")}, indent=1))
     passed = all(ok for ok, _ in checks.values())
     print(f"VERDICT: {'PASS' if passed else 'FAIL'} ({sum(ok for ok, _ in checks.values())}/{len(checks)} checks)")
     return 0 if passed else 1
@@ -266,7 +285,8 @@ def main(argv=None) -> int:
     c.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     c.add_argument("--nproc", type=int, default=2)
     c.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    c.add_argument("--engines", default="stock,odc")
+    c.add_argument("--engines", default="stock,odc",
+                   help="runs: stock (verl's engine), odc, odc_off (odc's setting, ODC_VERL_ROLES=none)")
     c.add_argument("--steps", type=int, default=5)
     c.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
     c.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (all ranks)")

@@ -1,0 +1,70 @@
+"""A slow rank for the verl SFT comparison (examples/recipes/verl_sft.py --straggler RANK:FACTOR).
+
+Loaded through verl's ``VERL_USE_EXTERNAL_MODULES`` (imported with ``verl``) in both runs.
+On rank RANK, after each decoder layer's forward, the GPU spins for (FACTOR - 1) times twice
+the forward's time: with activation checkpointing (the recipe's GPU setting) a layer runs its
+forward twice per step and its backward costs about two forwards, so each forward call stands
+for two forwards' work, and the layers' share of the step grows by FACTOR. It is a
+``torch.cuda._sleep`` kernel on the compute stream whose length comes from the previous call's
+CUDA events (a running average of the layers' time per token), so the host never waits for
+the GPU. PyTorch's public global forward hooks attach it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_SPEC = os.environ.get("ODC_RECIPE_STRAGGLER", "")
+
+
+def _install(rank: int, factor: float) -> None:
+    if factor <= 1.0:
+        raise ValueError(f"ODC_RECIPE_STRAGGLER factor must be > 1, got {factor}")
+    if int(os.environ.get("RANK", "0")) != rank or not torch.cuda.is_available():
+        return
+    rate = {"ms_per_token": None, "cycles_per_ms": None}  # the layers' time per token; the spin's speed
+    pending: list[tuple] = []
+
+    def is_layer(module) -> bool:
+        return type(module).__name__.endswith("DecoderLayer")
+
+    def before(module, args):
+        if is_layer(module):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            module._odc_straggler_start = start
+
+    def calibrate() -> float:  # on the rank's own GPU, at its first layer (verl set the device)
+        torch.cuda._sleep(1_000_000)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(100_000_000)
+        b.record()
+        b.synchronize()
+        return 100_000_000 / a.elapsed_time(b)
+
+    def after(module, args, output):
+        if not is_layer(module):
+            return
+        if rate["cycles_per_ms"] is None:
+            rate["cycles_per_ms"] = calibrate()
+        tokens = int(args[0].shape[-2]) if args and hasattr(args[0], "shape") and args[0].dim() >= 2 else 1
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        pending.append((module._odc_straggler_start, end, tokens))
+        while pending and pending[0][1].query():  # fold in the calls that have finished
+            s, e, n = pending.pop(0)
+            ms = s.elapsed_time(e) / n
+            old = rate["ms_per_token"]
+            rate["ms_per_token"] = ms if old is None else 0.9 * old + 0.1 * ms
+        if rate["ms_per_token"] is not None:
+            torch.cuda._sleep(int((factor - 1.0) * 2 * rate["ms_per_token"] * tokens * rate["cycles_per_ms"]))
+
+    torch.nn.modules.module.register_module_forward_pre_hook(before)
+    torch.nn.modules.module.register_module_forward_hook(after)
+
+
+if _SPEC:
+    _rank, _factor = _SPEC.split(":")
+    _install(int(_rank), float(_factor))

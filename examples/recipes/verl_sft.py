@@ -15,7 +15,9 @@ run, what odc carried (``ODC_STATS_DIR``), and the checks (losses and gradient n
 within ``--rtol``, odc carried the data-parallel collectives, ranks' microbatch counts
 differed). Step times come from when each step's metrics line reached verl's file logger.
 
-verl has no CPU engine: on CPU, pass ``--entry tests/integrations/verl_cpu_shim/sft_cpu.py``
+On GPUs both runs attend with PyTorch's variable-length flash attention
+(examples/recipes/verl_varlen_attention.py; flash-attn need not be installed). verl has no CPU
+engine: on CPU, pass ``--entry tests/integrations/verl_cpu_shim/sft_cpu.py``
 (it registers a CPU platform and verl's own engine for it, then runs verl's trainer).
 ``--straggler RANK:FACTOR`` runs every engine a second time (``<engine>_straggler``) with rank
 RANK about FACTOR times slower (examples/recipes/verl_straggler.py, loaded through
@@ -99,7 +101,8 @@ def overrides(a, work: Path, name: str) -> list[str]:
     engine = name.removesuffix("_straggler")
     """verl's Hydra overrides of one run (the same for both engines but the output places)."""
     cpu = a.device == "cpu"
-    o = [f"model.path={work / 'model'}", "+model.override_config.attn_implementation=sdpa",
+    attention = "sdpa" if cpu else "odc_varlen"  # verl_varlen_attention.py: no flash-attn needed
+    o = [f"model.path={work / 'model'}", f"+model.override_config.attn_implementation={attention}",
          "model.use_remove_padding=True", f"model.enable_gradient_checkpointing={not cpu}",
          "engine=fsdp", "engine.strategy=fsdp2", "engine.use_torch_compile=False",
          f"optim.lr={a.lr}", f"data.train_files={work / 'train.parquet'}",
@@ -146,9 +149,12 @@ def run_engine(a, work: Path, name: str) -> dict:
         env["OMP_NUM_THREADS"] = "1"
     if name.startswith("odc_off"):  # the setting with the engine turned off: verl's own engine runs
         env["ODC_VERL_ROLES"] = "none"
+    extra = [] if a.device == "cpu" else ["verl_varlen_attention"]
     if name.endswith("_straggler"):
-        env["VERL_USE_EXTERNAL_MODULES"] = "verl_straggler"
+        extra.append("verl_straggler")
         env["ODC_RECIPE_STRAGGLER"] = a.straggler
+    if extra:  # imported by `import verl`, in every rank, before the model is built
+        env["VERL_USE_EXTERNAL_MODULES"] = ",".join(extra)
         env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
     entry = [str(Path(a.entry).resolve())] if a.entry else ["-m", "verl.trainer.sft_trainer"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",

@@ -34,6 +34,11 @@
 #            them into two hosts. Run it last: it replaces the built extension.
 #   example  examples/train_fsdp2.py on all GPUs: odc, odc --hsdp, odc --decoupled (unless
 #            EXAMPLE_DECOUPLED=0), reference (NCCL)
+#   suite_a, suite_b, suite_c
+#            the whole GPU suite (`pytest -m gpu tests`) on all GPUs, in three parts that together
+#            hold every test file with GPU tests (tests/test_structure.py keeps the lists whole),
+#            each under its own limit of 480 s (SUITE_PART_S) and so one per call of a machine
+#            that allows 10 minutes: `SUITE_BUDGET_S=590 bash benchmarks/gpu_suite.sh build suite_a`
 #
 # Every stage runs under a timeout clamped to what is left of SUITE_BUDGET_S
 # (default 450 s), so the whole suite stays well under 9 minutes. TEST_GPUS / BENCH_GPUS
@@ -127,6 +132,17 @@ stage_build() {
 GPU_TESTS=(-m gpu tests/test_collectives.py tests/test_fsdp2.py tests/test_decoupled.py
            tests/test_callers.py tests/integrations/test_zero_code_change.py)
 GPU_SUITES=(-m gpu tests/test_collectives.py tests/test_fsdp2.py tests/test_decoupled.py)
+# The whole GPU suite in parts (stages suite_a/b/c), about 25 tests each (11-15 s a test)
+SUITE_A=(tests/test_collectives.py tests/test_lab.py)
+SUITE_B=(tests/test_registered.py tests/test_fsdp2.py tests/test_dynamic_balance.py
+         tests/test_skipped_modules.py tests/test_hosts.py)
+SUITE_C=(tests/test_decoupled.py tests/test_callers.py tests/integrations/test_zero_code_change.py)
+
+stage_suite() {  # PART FILES...: one part of `pytest -m gpu tests` on all GPUs
+    local part=$1; shift
+    run_step "suite_$part" "${SUITE_PART_S:-480}" "$OUT/gpu_suite_$part.log" $PY -m pytest -q -rA -m gpu "$@"
+    cp -f "$OUT/gpu_suite_$part.log" "$OUT/tests/gpu_suite_${part}_$(kind_for "$NGPU")_${DATE}.log"
+}
 
 stage_tests() {
     local n
@@ -255,7 +271,10 @@ stage_nvshmem() {
 for stage in "${STAGES[@]}"; do
     case "$stage" in
         build|tests|device_id|check_cost|bench|example|train|nvshmem) "stage_$stage" ;;
-        *) echo "unknown stage '$stage' (choose from: build tests device_id check_cost bench example train nvshmem)"; skip_step "$stage" unknown; FAILED=1 ;;
+        suite_a) stage_suite a "${SUITE_A[@]}" ;;
+        suite_b) stage_suite b "${SUITE_B[@]}" ;;
+        suite_c) stage_suite c "${SUITE_C[@]}" ;;
+        *) echo "unknown stage '$stage' (choose from: build tests device_id check_cost bench example train nvshmem suite_a suite_b suite_c)"; skip_step "$stage" unknown; FAILED=1 ;;
     esac
 done
 

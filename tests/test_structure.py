@@ -191,3 +191,22 @@ def test_the_cycle_check_sees_imports_inside_functions(tmp_path):
                                  "torch_odc_backend.c", "torch_odc_backend"]
     (pkg / "c.py").write_text("x = 1\n")
     assert find_cycle(import_graph(pkg)) is None
+
+
+def test_the_gpu_suite_parts_hold_every_gpu_test_file():
+    """benchmarks/gpu_suite.sh's stages suite_a/b/c run `pytest -m gpu` on three lists of files:
+    together they hold every test file that marks GPU tests, each once."""
+    import re
+
+    script = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
+    parts = {name: re.findall(r"tests/[\w/]+\.py", body)
+             for name, body in re.findall(r"^(SUITE_[ABC])=\(([^)]*)\)", script, flags=re.M)}
+    assert sorted(parts) == ["SUITE_A", "SUITE_B", "SUITE_C"], parts
+    listed = [f for files in parts.values() for f in files]
+    marks = re.compile(r"cuda_case|gpu_test\(|needs_gpus|mark\.gpu")
+    gpu_files = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                 if marks.search(p.read_text())}
+    gpu_files -= {"tests/test_nvshmem.py", "tests/test_structure.py"}  # its own stage; this check
+    assert len(listed) == len(set(listed)), f"a file in two parts: {listed}"
+    assert set(listed) == gpu_files, (f"missing from the parts: {sorted(gpu_files - set(listed))}; "
+                                      f"listed but no GPU tests: {sorted(set(listed) - gpu_files)}")

@@ -1,7 +1,7 @@
 """Every ODC_* variable the project reads is documented in docs/configuration.md, and the
 runtime table there lists exactly the knobs config.py parses plus the process-wide ones (read
 at import and exit: ODC_DEFAULT_BACKEND, ODC_ALLOW_LAZY_LOADING, ODC_STATS_DIR; by the verl
-engine: ODC_VERL_ROLES)."""
+engine: ODC_VERL_ROLES, ODC_VERL_BALANCE)."""
 from __future__ import annotations
 
 import re
@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "configuration.md").read_text()
-PROCESS_WIDE = {"ODC_DEFAULT_BACKEND", "ODC_ALLOW_LAZY_LOADING", "ODC_STATS_DIR", "ODC_VERL_ROLES"}
+PROCESS_WIDE = {"ODC_DEFAULT_BACKEND", "ODC_ALLOW_LAZY_LOADING", "ODC_STATS_DIR", "ODC_VERL_ROLES",
+                "ODC_VERL_BALANCE"}
 
 
 def _section(title: str) -> str:

@@ -150,3 +150,13 @@ def verl_roles() -> frozenset[str]:
         raise ValueError(f"ODC_VERL_ROLES={raw!r}: expected 'none' or a comma-separated subset of "
                          f"{', '.join(VERL_ROLES)} (unknown: {', '.join(bad) or 'empty'})")
     return frozenset(roles)
+
+
+def verl_balance() -> str:
+    """ODC_VERL_BALANCE: how the odc engine for verl spreads a minibatch's samples over the
+    ranks (with verl's dynamic batch size): ``lb_mini`` (default; a plan made once from the
+    samples' lengths) or ``dynamic`` (ranks claim microbatches as they become free; a 1-D mesh)."""
+    raw = os.environ.get("ODC_VERL_BALANCE", "").strip().lower() or "lb_mini"
+    if raw not in ("lb_mini", "dynamic"):
+        raise ValueError(f"ODC_VERL_BALANCE={raw!r}: expected lb_mini or dynamic")
+    return raw

@@ -118,7 +118,7 @@ def overrides(a, work: Path, name: str) -> list[str]:
     if cpu:  # fp32 throughout: the comparison is then reassociation alone
         o += ["engine.model_dtype=fp32", "+engine.mixed_precision.param_dtype=fp32",
               "+engine.mixed_precision.reduce_dtype=fp32", "+engine.mixed_precision.buffer_dtype=fp32"]
-    if engine in ("odc", "odc_off"):
+    if engine in ("odc", "odc_off", "odc_dynamic"):
         o.append("model.external_lib=torch_odc_backend.verl")
     return o
 
@@ -150,6 +150,8 @@ def run_engine(a, work: Path, name: str) -> dict:
         env["OMP_NUM_THREADS"] = "1"
     if name.startswith("odc_off"):  # the setting with the engine turned off: verl's own engine runs
         env["ODC_VERL_ROLES"] = "none"
+    if name.startswith("odc_dynamic"):  # ranks claim microbatches as they become free
+        env["ODC_VERL_BALANCE"] = "dynamic"
     extra = [] if a.device == "cpu" else ["verl_varlen_attention"]
     if name.endswith("_straggler"):
         extra.append("verl_straggler")
@@ -242,12 +244,16 @@ def compare(a) -> int:
         if {"stock_straggler", "odc_straggler"} <= runs.keys():
             result["compare"]["losses_straggler"] = close(runs["odc_straggler"]["losses"],
                                                           runs["stock_straggler"]["losses"], a.rtol)
+        if "odc_dynamic" in runs:
+            result["compare"]["losses_dynamic"] = close(runs["odc_dynamic"]["losses"], stock["losses"], a.rtol)
         result["summary"] = {}
-        for tag in ("", "_straggler"):
-            s_run, o_run = runs.get("stock" + tag), runs.get("odc" + tag)
-            if s_run and o_run and s_run["tokens_per_s"] and o_run["tokens_per_s"]:
-                result["summary"]["speedup_vs_stock" + tag] = o_run["tokens_per_s"] / s_run["tokens_per_s"]
-                result["summary"]["peak_memory_ratio" + tag] = _peak(o_run) / _peak(s_run) if _peak(s_run) else None
+        for engine, suffix in (("odc", ""), ("odc_dynamic", "_dynamic")):
+            for tag in ("", "_straggler"):
+                s_run, o_run = runs.get("stock" + tag), runs.get(engine + tag)
+                if s_run and o_run and s_run["tokens_per_s"] and o_run["tokens_per_s"]:
+                    result["summary"]["speedup_vs_stock" + suffix + tag] = o_run["tokens_per_s"] / s_run["tokens_per_s"]
+                    result["summary"]["peak_memory_ratio" + suffix + tag] = (
+                        _peak(o_run) / _peak(s_run) if _peak(s_run) else None)
         per_rank = counters(odc)
         counts = [c for c in odc["microbatches_per_rank"] if c]
         checks = {
@@ -293,7 +299,8 @@ def main(argv=None) -> int:
     c.add_argument("--nproc", type=int, default=2)
     c.add_argument("--size", choices=sorted(SIZES), default="tiny")
     c.add_argument("--engines", default="stock,odc",
-                   help="runs: stock (verl's engine), odc, odc_off (odc's setting, ODC_VERL_ROLES=none)")
+                   help="runs: stock (verl's engine), odc (LB-Mini), odc_dynamic (ODC_VERL_BALANCE=dynamic), "
+                        "odc_off (odc's setting, ODC_VERL_ROLES=none)")
     c.add_argument("--steps", type=int, default=5)
     c.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
     c.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (all ranks)")

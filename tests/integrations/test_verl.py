@@ -2,7 +2,7 @@
 verl's own FSDP2 engine (examples/recipes/verl_sft.py compare), on CPU ranks through
 tests/integrations/verl_cpu_shim/sft_cpu.py: equal per-step losses and gradient norms
 (within 1e-5), odc carried the FSDP collectives in decoupled mode, the ranks ran different
-numbers of microbatches; with ``ODC_VERL_ROLES=none`` the same setting leaves verl's engine
+numbers of microbatches, also with dynamic balancing (``ODC_VERL_BALANCE=dynamic``); with ``ODC_VERL_ROLES=none`` the same setting leaves verl's engine
 in place (bitwise the stock run). Plus the engine's input checks.
 
 verl 0.9.1 pins transformers below the version the other recipes use, so it lives in its own
@@ -36,7 +36,7 @@ def _run(args: list[str], timeout: float = 600, **env) -> subprocess.CompletedPr
 def result(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("verl_cpu")
     proc = _run([str(REPO / "examples" / "recipes" / "verl_sft.py"), "compare", "--work", str(work),
-                 "--device", "cpu", "--entry", str(SHIM), "--engines", "stock,odc,odc_off",
+                 "--device", "cpu", "--entry", str(SHIM), "--engines", "stock,odc,odc_dynamic,odc_off",
                  "--steps", "4", "--batch", "8", "--rows", "64", "--max-words", "150",
                  "--max-tokens", "256"])
     if proc.returncode != 0 or "VERDICT: PASS" not in proc.stdout:
@@ -70,6 +70,26 @@ def test_ranks_ran_their_own_microbatch_counts(result):
     assert result["checks"]["losses equal"]["ok"]
 
 
+def test_dynamic_balancing_equals_verls_engine(result):
+    """ODC_VERL_BALANCE=dynamic: ranks claim the minibatch's microbatches as they become free;
+    every sample is still trained once, so the losses equal verl's engine's."""
+    assert result["compare"]["losses_dynamic"]["equal"], result["compare"]
+    dyn = result["runs"]["odc_dynamic"]
+    assert all(c is not None for c in dyn["microbatches_per_rank"]), dyn["microbatches_per_rank"]
+    assert all(c.get("decoupled_syncs", 0) > 0 for c in _counters(dyn)), dyn["odc_stats"]
+
+
+def _counters(run: dict) -> list[dict]:
+    out = []
+    for rank in run["odc_stats"]:
+        total: dict = {}
+        for g in rank["groups"]:
+            for k, v in g["stats"].items():
+                total[k] = total.get(k, 0) + v
+        out.append(total)
+    return out
+
+
 def test_roles_none_leaves_verls_engine(result):
     off, stock = result["runs"]["odc_off"], result["runs"]["stock"]
     assert off["losses"] == stock["losses"] and off["grad_norms"] == stock["grad_norms"]
@@ -90,6 +110,13 @@ for what, fn in {"device": lambda: ov.register(device="npu", vendor="x"),
         out[what] = None
     except (ValueError, IndexError) as e:
         out[what] = str(e)
+from torch_odc_backend.config import verl_balance
+for raw in ("", "dynamic", "greedy"):
+    os.environ["ODC_VERL_BALANCE"] = raw
+    try:
+        out["balance:" + raw] = verl_balance()
+    except ValueError as e:
+        out["balance:" + raw] = str(e)
 for raw in ("", "none", "actor,reference", "actor,policy"):
     os.environ["ODC_VERL_ROLES"] = raw
     try:
@@ -110,3 +137,5 @@ def test_engine_input_checks():
     assert out["roles:"] == ["actor", "critic"] and out["roles:none"] == []
     assert out["roles:actor,reference"] == ["actor", "reference"]
     assert "ODC_VERL_ROLES" in out["roles:actor,policy"] and "policy" in out["roles:actor,policy"]
+    assert out["balance:"] == "lb_mini" and out["balance:dynamic"] == "dynamic"
+    assert "ODC_VERL_BALANCE" in out["balance:greedy"] and "greedy" in out["balance:greedy"]

@@ -17,9 +17,9 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 
 import torch_odc_backend as odc
 
-from ..balance import TransformerCost
-from ..config import verl_roles
-from .minibatch import odc_mesh_like, share_of_minibatch
+from ..balance import DynamicBalancer, TransformerCost
+from ..config import verl_balance, verl_roles
+from .minibatch import claimed_microbatches, odc_mesh_like, share_of_minibatch
 
 __all__ = ["OdcFSDPEngineWithLMHead", "OdcFSDPEngineWithValueHead", "register"]
 
@@ -35,7 +35,9 @@ class _OdcEngine:
         self._odc_decoupled = False
         self._odc_unsynced = False
         self._odc_cost = None  # LB-Mini's cost model, from the model's config at first use
+        self._odc_balancer = None  # ODC_VERL_BALANCE=dynamic: made at the first minibatch
         if self.odc_enabled:
+            self.odc_balance = verl_balance()
             self._refuse_unsupported()
             self.device_mesh = odc_mesh_like(self.device_mesh)
 
@@ -47,6 +49,8 @@ class _OdcEngine:
             "param_offload": bool(cfg.param_offload),
             "optimizer_offload": bool(cfg.optimizer_offload),
             "LoRA (model.lora_rank > 0)": self.model_config.lora_rank > 0,
+            "ODC_VERL_BALANCE=dynamic on a 2-D (HSDP) mesh": (self.odc_balance == "dynamic"
+                                                               and self.device_mesh.ndim > 1),
         }
         found = [what for what, on in unsupported.items() if on]
         if found:
@@ -90,14 +94,20 @@ class _OdcEngine:
 
     def _microbatches(self, data):
         """This rank's microbatches of the minibatch: with verl's dynamic batch size (token
-        budget ``max_token_len_per_gpu``), its LB-Mini share of every rank's samples; with a
-        fixed microbatch size, its own samples, chunked as verl chunks them."""
+        budget ``max_token_len_per_gpu``), its LB-Mini share of every rank's samples, or the
+        ones it claims as it goes (``ODC_VERL_BALANCE=dynamic``); with a fixed microbatch
+        size, its own samples, chunked as verl chunks them."""
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             return prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=False)[0]
         if self._odc_cost is None:
             self._odc_cost = TransformerCost.from_hf_config(self.model_config.hf_config)
-        return share_of_minibatch(data, max_tokens=int(data["max_token_len_per_gpu"]),
-                                  cost=self._odc_cost, group=self.get_data_parallel_group())
+        how = dict(max_tokens=int(data["max_token_len_per_gpu"]), cost=self._odc_cost,
+                   group=self.get_data_parallel_group())
+        if self.odc_balance == "dynamic":
+            if self._odc_balancer is None:  # claims through the odc group's store
+                self._odc_balancer = DynamicBalancer(self.device_mesh.get_group(), name=f"verl_{self.odc_role}")
+            return claimed_microbatches(data, balancer=self._odc_balancer, **how)
+        return share_of_minibatch(data, **how)
 
     def optimizer_step(self):
         if self._odc_unsynced:  # the one synchronisation of the minibatch; .grad is final after it

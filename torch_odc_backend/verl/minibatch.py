@@ -17,7 +17,8 @@ from verl.utils import tensordict_utils as tu
 
 from ..balance import CostModel, lb_mini
 
-__all__ = ["odc_mesh_like", "sample_lengths", "share_of_minibatch", "split_by_owner"]
+__all__ = ["claimed_microbatches", "gather_minibatch", "microbatch_of", "odc_mesh_like", "sample_lengths",
+           "share_of_minibatch", "split_by_owner"]
 
 
 def odc_mesh_like(mesh):
@@ -52,19 +53,35 @@ def split_by_owner(indices: list[int], counts: list[int]) -> list[tuple[int, lis
     return sorted(by_owner.items())
 
 
+def gather_minibatch(data, group) -> tuple[list, list[int], list[int]]:
+    """Every rank's part of the minibatch (TensorDicts, on the CPU), the number of samples of
+    each, and the samples' lengths in rank order. Collective over ``group``."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, data.cpu(), group=group)
+    lengths = [sample_lengths(part) for part in everyone]
+    return everyone, [len(x) for x in lengths], [n for part in lengths for n in part]
+
+
+def microbatch_of(everyone: list, counts: list[int], indices: list[int]):
+    """The microbatch (one TensorDict) of these samples, indices into the ranks' concatenation."""
+    parts = [tu.index_select_tensor_dict(everyone[owner], local)
+             for owner, local in split_by_owner(indices, counts)]
+    return parts[0] if len(parts) == 1 else tu.concat_tensordict(parts)
+
+
 def share_of_minibatch(data, *, max_tokens: int, cost: CostModel, group) -> list:
     """This rank's microbatches (TensorDicts) of the minibatch whose local part is ``data``:
     LB-Mini over every rank's samples, each microbatch at most ``max_tokens`` tokens. A rank
     may get none. Collective over ``group`` (every rank calls it once per minibatch)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, data.cpu(), group=group)
-    lengths = [sample_lengths(part) for part in everyone]
-    flat = [n for part in lengths for n in part]
-    plan = lb_mini(flat, world, max_tokens, cost)
-    micro_batches = []
-    for indices in plan[rank]:
-        parts = [tu.index_select_tensor_dict(everyone[owner], local)
-                 for owner, local in split_by_owner(indices, [len(x) for x in lengths])]
-        micro_batches.append(parts[0] if len(parts) == 1 else tu.concat_tensordict(parts))
-    return micro_batches
+    everyone, counts, flat = gather_minibatch(data, group)
+    plan = lb_mini(flat, dist.get_world_size(group), max_tokens, cost)
+    return [microbatch_of(everyone, counts, indices) for indices in plan[dist.get_rank(group)]]
+
+
+def claimed_microbatches(data, *, balancer, max_tokens: int, cost: CostModel, group):
+    """Dynamic balancing: this rank's microbatches as it claims them from ``balancer``
+    (:class:`torch_odc_backend.balance.DynamicBalancer`) while it trains; a rank that is free
+    takes work another has not started. Gathers the minibatch like :func:`share_of_minibatch`."""
+    everyone, counts, flat = gather_minibatch(data, group)
+    for indices in balancer.minibatch(flat, max_tokens, cost):
+        yield microbatch_of(everyone, counts, indices)

@@ -111,6 +111,10 @@ for what, fn in {"device": lambda: ov.register(device="npu", vendor="x"),
     except (ValueError, IndexError) as e:
         out[what] = str(e)
 from torch_odc_backend.config import verl_balance
+from torch_odc_backend.verl.engine import fill_rank_metrics
+ranks = [{"pg_loss": ("sum", 1.5), "clip": ("mean", 0.2), "lo": ("min", -1.0)},
+         {"pg_loss": ("sum", 0.5), "clip": ("mean", 0.4), "lo": ("min", -3.0)}, {}]
+out["filled"] = [fill_rank_metrics(ranks, r) for r in range(3)]
 for raw in ("", "dynamic", "greedy"):
     os.environ["ODC_VERL_BALANCE"] = raw
     try:
@@ -138,4 +142,7 @@ def test_engine_input_checks():
     assert out["roles:actor,reference"] == ["actor", "reference"]
     assert "ODC_VERL_ROLES" in out["roles:actor,policy"] and "policy" in out["roles:actor,policy"]
     assert out["balance:"] == "lb_mini" and out["balance:dynamic"] == "dynamic"
+    # a rank with no microbatch: 0 for a sum, the others' mean / min for a mean / min
+    assert out["filled"][2] == {"clip": ["mean", 0.30000000000000004], "lo": ["min", -3.0], "pg_loss": ["sum", 0.0]}
+    assert out["filled"][0]["pg_loss"] == ["sum", 1.5] and out["filled"][1]["lo"] == ["min", -3.0]
     assert "ODC_VERL_BALANCE" in out["balance:greedy"] and "greedy" in out["balance:greedy"]

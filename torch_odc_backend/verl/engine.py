@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id
+from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
@@ -89,6 +90,7 @@ class _OdcEngine:
             outputs.append(meta)
         self._odc_unsynced = True
         out = postprocess_batch_func(output_lst=outputs, indices=None, data=data)
+        _one_value_per_rank(out["metrics"], self.get_data_parallel_group())
         out["metrics"]["odc/microbatches"] = [len(outputs)]  # this rank's count (verl gathers them)
         return out
 
@@ -114,6 +116,38 @@ class _OdcEngine:
             odc.sync(self.module)
             self._odc_unsynced = False
         return super().optimizer_step()
+
+
+def _one_value_per_rank(metrics: dict, group) -> None:
+    """verl's losses report ``Metric`` values, one per microbatch, and verl aggregates them
+    over the data-parallel ranks position by position (``Metric.aggregate_dp``), which needs
+    the same count from every rank. Here counts differ, so each rank's values become one
+    (their sum, mean, min or max): see :func:`fill_rank_metrics`. Collective over ``group``."""
+    mine = {k: (v.aggregation.value, float(Metric._aggregate(v.values, v.aggregation)))
+            for k, v in metrics.items() if isinstance(v, Metric) and v.values}
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for key, (aggregation, value) in fill_rank_metrics(everyone, dist.get_rank(group)).items():
+        metrics[key] = Metric(AggregationType(aggregation), value)
+
+
+def fill_rank_metrics(everyone: list[dict], rank: int) -> dict:
+    """Rank ``rank``'s one value per metric, from every rank's ``{key: (aggregation, value)}``.
+    A rank that has no value of a metric the others have (it ran no microbatch) reports what
+    leaves verl's aggregate (the mean over ranks of each rank's value, or the min / max)
+    unchanged: 0 for a sum, the others' mean for a mean, their min or max."""
+    out = {}
+    for key in sorted({k for r in everyone for k in r}):
+        if key in everyone[rank]:
+            out[key] = everyone[rank][key]
+            continue
+        aggregation = next(r[key][0] for r in everyone if key in r)
+        values = [r[key][1] for r in everyone if key in r]
+        if aggregation == "sum":
+            out[key] = (aggregation, 0.0)
+        else:
+            out[key] = (aggregation, float(Metric._aggregate(values, AggregationType(aggregation))))
+    return out
 
 
 class OdcFSDPEngineWithLMHead(_OdcEngine, FSDPEngineWithLMHead):

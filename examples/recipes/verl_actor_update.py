@@ -1,0 +1,378 @@
+#!/usr/bin/env python3
+"""verl's RL actor update on the odc engine against verl's own FSDP2 engine, fed rollouts made
+beforehand (no rollout engine): the same model, rollouts and settings; the odc run adds only
+``import torch_odc_backend.verl`` (what ``model.external_lib=torch_odc_backend.verl`` does).
+
+    python examples/recipes/verl_actor_update.py compare --work DIR [--device cuda] [--nproc 4]
+        [--size 0.5b] [--steps 4] [--prompts 16] [--rollout-n 4] [--minibatches 1]
+
+Needs verl (docs/trainers.md gives the versions). ``compare`` writes a tokenizer and a Qwen2
+model of random weights (``--size``, examples/recipes/verl_sft.py's) into DIR and runs this
+file's ``worker`` under torchrun once per engine. Every rank builds the actor as verl's
+``ActorRolloutRefWorker(role="actor").init_model()`` does, from verl's own PPO trainer config
+(``ppo_trainer.yaml``, with the overrides of :func:`overrides`), then, for each of ``--steps``
+rollout batches, does what verl's PPO trainer does with one (``RayPPOTrainer._balance_batch``,
+``_update_actor``, the ``update_actor`` dispatch): reorder it over the data-parallel ranks,
+convert it to verl's no-padding layout, chunk it over the ranks, and call the worker's
+``update_actor`` (``TrainingWorker.train_mini_batch``: per minibatch ``engine.train_batch``
+with ``ppo_loss``, one optimizer step). The rollouts are synthetic and the same on every rank
+(seeded by ``--seed`` and the step): ``--prompts`` prompts of ``--rollout-n`` responses each, response
+lengths long-tailed (Pareto), GRPO advantages (verl's ``compute_grpo_outcome_advantage``) of
+outcome rewards of 1 for the longer half of each group, old log-probs near a random model's.
+
+It writes ``DIR/verl_actor_update_result.json``: per optimizer step the loss (verl's ``loss``
+metric: the sum of the microbatch losses, averaged over the data-parallel ranks) and gradient
+norm of both runs, update times and tokens/s (after ``--warmup`` steps), the per-rank
+microbatch counts of the odc run, what odc carried (``ODC_STATS_DIR``), and the checks (losses
+and gradient norms equal within ``--rtol``, odc carried the data-parallel collectives, ranks'
+microbatch counts differed), then a ``VERDICT`` line.
+
+verl has no CPU engine: on CPU pass ``--entry tests/integrations/verl_cpu_shim/sft_cpu.py``;
+every rank imports it first (it registers a CPU platform, chosen by ``VERL_PLATFORM=cpu``) and
+registers verl's own FSDP engine for the CPU. On GPUs both runs attend with PyTorch's
+variable-length flash attention (examples/recipes/verl_varlen_attention.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import random
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verl_sft import GPU_ENV, SIZES, close, counters, make_model, make_tokenizer, versions  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+RESULT = "verl_actor_update_result.json"
+
+
+# ---- the rollouts, made beforehand
+
+def rollouts(a, step: int, pad_id: int, vocab: int):
+    """One step's rollout batch as verl's PPO trainer holds it before the actor update (padded:
+    prompts left-padded, responses right-padded), the same on every rank: ``a.prompts`` prompts
+    of ``a.rollout_n`` responses each (a GRPO group), response lengths long-tailed."""
+    import numpy as np
+    import torch
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    rng = random.Random(a.seed * 1000003 + step)
+    gen = torch.Generator().manual_seed(a.seed * 1000003 + step)
+    rows = a.prompts * a.rollout_n
+    p_lens = [n for n in (rng.randint(4, a.max_prompt) for _ in range(a.prompts)) for _ in range(a.rollout_n)]
+    r_lens = [min(a.max_response, int(rng.paretovariate(1.2) * a.max_response / 40) + 4) for _ in range(rows)]
+    P, R = a.max_prompt, a.max_response
+    prompts = torch.full((rows, P), pad_id, dtype=torch.long)
+    responses = torch.full((rows, R), pad_id, dtype=torch.long)
+    mask = torch.zeros(rows, P + R, dtype=torch.long)
+    for i in range(rows):
+        ids = torch.randint(3, vocab, (p_lens[i] + r_lens[i],), generator=gen)
+        if i % a.rollout_n == 0:  # the group shares its prompt
+            prompt = ids[:p_lens[i]]
+        prompts[i, P - p_lens[i]:] = prompt
+        responses[i, :r_lens[i]] = ids[p_lens[i]:]
+        mask[i, P - p_lens[i]:P + r_lens[i]] = 1
+    response_mask = mask[:, P:]
+    position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    # an outcome reward (on the last response token) of 1 for the longer half of each group: the
+    # token-mean loss is then well away from 0 (relative differences mean something); old
+    # log-probs near a random model's (-log V)
+    rewards = torch.zeros(rows, R)
+    medians = [sorted(r_lens[g:g + a.rollout_n])[(a.rollout_n - 1) // 2] for g in range(0, rows, a.rollout_n)]
+    scores = torch.tensor([float(n > medians[i // a.rollout_n]) for i, n in enumerate(r_lens)])
+    rewards[torch.arange(rows), torch.tensor(r_lens) - 1] = scores
+    advantages, returns = compute_grpo_outcome_advantage(
+        token_level_rewards=rewards, response_mask=response_mask,
+        index=np.array([i // a.rollout_n for i in range(rows)], dtype=object))
+    old_log_probs = (-math.log(vocab) + 0.1 * torch.randn(rows, R, generator=gen)) * response_mask.float()
+    return {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": mask, "position_ids": position_ids, "response_mask": response_mask,
+            "old_log_probs": old_log_probs, "advantages": advantages, "returns": returns,
+            "token_level_rewards": rewards}
+
+
+def balance(batch: dict, dp: int) -> dict:
+    """``RayPPOTrainer._balance_batch`` (``trainer.balance_batch=True``, verl's default): reorder
+    the batch so that each data-parallel rank's chunk has about the same workload."""
+    import torch
+    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
+
+    seqlens = batch["attention_mask"].sum(-1)
+    workload = calculate_workload(seqlens)
+    parts = get_seqlen_balanced_partitions(workload, k_partitions=dp, equal_size=True)
+    for i, part in enumerate(parts):
+        part.sort(key=lambda x: (workload[x], x))
+        parts[i] = part[::2] + part[1::2][::-1]
+    order = torch.tensor([j for part in parts for j in part])
+    return {k: v[order] for k, v in batch.items()}
+
+
+def update_batch(a, batch: dict, rank: int, dp: int):
+    """This rank's part of the batch as ``RayPPOTrainer._update_actor`` hands it to the workers:
+    verl's no-padding layout with the trainer's settings, chunked over the data-parallel ranks as
+    the ``update_actor`` dispatch chunks it."""
+    from tensordict import TensorDict
+    from verl.protocol import BatchData
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]])
+    tu.assign_non_tensor(td, temperature=1.0, multi_turn=False)  # the trainer's meta_info
+    td = left_right_2_no_padding(td)
+    mini = a.prompts // a.minibatches * a.rollout_n  # ppo_mini_batch_size * rollout.n
+    tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                         global_batch_size=mini, mini_batch_size=mini, epochs=1, seed=42,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    # Ray hands each worker its chunk serialised: a copy of its own, not a (locked) view
+    return pickle.loads(pickle.dumps(BatchData(td).chunk(chunks=dp)[rank]))
+
+
+# ---- one rank of one run
+
+def overrides(a, work: Path) -> list[str]:
+    """verl's PPO trainer config overrides (the same for both engines)."""
+    cpu = a.device == "cpu"
+    attention = "sdpa" if cpu else "odc_varlen"  # verl_varlen_attention.py: no flash-attn needed
+    ar = "actor_rollout_ref"
+    o = [f"{ar}.model.path={work / 'model'}", f"+{ar}.model.override_config.attn_implementation={attention}",
+         f"{ar}.model.use_remove_padding=True", f"{ar}.model.enable_gradient_checkpointing={not cpu}",
+         f"{ar}.actor.strategy=fsdp2", f"{ar}.actor.use_torch_compile=False",
+         f"{ar}.actor.fsdp_config.use_torch_compile=False",
+         f"{ar}.actor.optim.lr={a.lr}", f"{ar}.actor.optim.total_training_steps={a.steps * a.minibatches}",
+         f"{ar}.actor.ppo_mini_batch_size={a.prompts // a.minibatches}", f"{ar}.rollout.n={a.rollout_n}",
+         f"{ar}.actor.use_dynamic_bsz=True", f"{ar}.actor.ppo_max_token_len_per_gpu={a.max_tokens}",
+         f"{ar}.rollout.log_prob_use_dynamic_bsz=True",
+         f"{ar}.rollout.log_prob_max_token_len_per_gpu={a.max_tokens}",
+         f"{ar}.actor.loss_agg_mode={a.loss_agg_mode}", f"{ar}.actor.fsdp_config.seed={a.seed}"]
+    if cpu:  # fp32 throughout: the comparison is then reassociation alone
+        o += [f"{ar}.actor.fsdp_config.model_dtype=fp32",
+              *(f"+{ar}.actor.fsdp_config.mixed_precision.{k}_dtype=fp32" for k in ("param", "reduce", "buffer"))]
+    return o
+
+
+def load_cpu_shim(path: str) -> None:
+    """Import the CPU shim (it registers verl's "cpu" platform) and register verl's own FSDP
+    engine for the CPU, as tests/integrations/verl_cpu_shim/sft_cpu.py's ``main`` does."""
+    import importlib.util
+
+    os.environ.setdefault("VERL_PLATFORM", "cpu")
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"],
+                            device="cpu")(FSDPEngineWithLMHead)
+
+
+def worker(a) -> int:
+    if a.device == "cpu":
+        load_cpu_shim(a.entry)
+    import torch
+    import torch.distributed as dist
+
+    if a.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend="cpu:gloo" if a.device == "cpu" else "cpu:gloo,cuda:nccl",
+                            timeout=timedelta(seconds=600))
+    if a.device == "cuda":
+        import verl_varlen_attention  # noqa: F401  (registers the "odc_varlen" attention)
+    if a.engine == "odc":
+        import torch_odc_backend.verl  # noqa: F401  (registers the odc engines for verl's platform)
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    work = Path(a.work)
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides(a, work))
+    actor = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+    actor.init_model()
+    rank, dp = actor.actor.engine.get_data_parallel_rank(), actor.actor.engine.get_data_parallel_size()
+    tok = actor.actor.model_config.tokenizer
+    vocab = min(len(tok), actor.actor.model_config.hf_config.vocab_size)
+
+    steps = []
+    for step in range(a.steps):
+        batch = rollouts(a, step, tok.pad_token_id, vocab)
+        tokens = int(batch["attention_mask"].sum())
+        if a.balance_batch:
+            batch = balance(batch, dp)
+        data = update_batch(a, batch, rank, dp)
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = actor.update_actor(data)
+        dist.barrier()
+        dt = time.perf_counter() - t0
+        if rank == 0:
+            from verl.utils import tensordict_utils as tu
+
+            m = tu.get(out, "metrics")
+            steps.append({"step": step, "update_s": dt, "tokens": tokens,
+                          "metrics": {k: _plain(v) for k, v in m.items()}})
+            print(f"step {step}: loss {m['loss']} grad_norm {m['grad_norm']} {dt:.2f}s", flush=True)
+    if rank == 0:
+        Path(a.out).write_text(json.dumps(steps, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+def _plain(v):
+    if isinstance(v, list | tuple):
+        return [_plain(x) for x in v]
+    if hasattr(v, "item"):
+        return v.item()
+    if hasattr(v, "value"):  # verl's Metric
+        return _plain(v.value)
+    return v
+
+
+# ---- the comparison
+
+def run_engine(a, work: Path, name: str) -> dict:
+    out, stats = work / f"{name}_steps.json", work / f"{name}_odc_stats"
+    out.unlink(missing_ok=True)
+    env = dict(os.environ, **GPU_ENV, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", ODC_STATS_DIR=str(stats))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if a.device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+        env["VERL_PLATFORM"] = "cpu"
+    args = ["worker", "--engine", name, "--out", str(out)]
+    for k, v in vars(a).items():
+        if k not in ("cmd", "engines", "rtol", "timeout", "warmup", "nproc") and v is not None:
+            if isinstance(v, bool):
+                args += [f"--{k.replace('_', '-')}"] if v else [f"--no-{k.replace('_', '-')}"]
+            else:
+                args += [f"--{k.replace('_', '-')}", str(Path(v).resolve()) if k in ("work", "entry") else str(v)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
+           str(Path(__file__).resolve()), *args]
+    log = work / f"{name}.log"
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"{name}: exited with {proc.returncode}; log {log}:\n{log.read_text()[-6000:]}")
+    steps = json.loads(out.read_text())
+    timed = [s for s in steps if s["step"] >= a.warmup]
+    run = {"losses": [x for s in steps for x in _list(s["metrics"]["loss"])],
+           "grad_norms": [x for s in steps for x in _list(s["metrics"]["grad_norm"])],
+           "microbatches_per_rank": [c for s in steps for c in _per_rank(s["metrics"].get("odc/microbatches"), a.nproc)
+                                     or [None] * len(_list(s["metrics"]["loss"]))],
+           "update_s": [s["update_s"] for s in steps], "tokens": [s["tokens"] for s in steps],
+           "tokens_per_s": (sum(s["tokens"] for s in timed) / sum(s["update_s"] for s in timed)) if timed else None,
+           "pg_losses": [x for s in steps for x in _list(s["metrics"].get("actor/pg_loss"))],
+           "pg_clipfracs": [x for s in steps for x in _list(s["metrics"].get("actor/pg_clipfrac"))],
+           "wall_s": time.time() - t0, "log": str(log)}
+    files = sorted(stats.glob("odc_stats_rank*.json")) if stats.exists() else []
+    run["odc_stats"] = [json.loads(f.read_text()) for f in files]
+    return run
+
+
+def _per_rank(counts, nproc: int) -> list:
+    """odc's per-rank microbatch counts of a step, per optimizer step: verl flattens them into
+    one list (the ranks' counts of the first minibatch, then of the second, ...)."""
+    if counts is None:
+        return []
+    return [counts[i:i + nproc] for i in range(0, len(counts), nproc)]
+
+
+def _list(v):
+    """A per-step metric as a list over the step's minibatches (verl appends one per minibatch)."""
+    return [None] if v is None else v if isinstance(v, list) else [v]
+
+
+def compare(a) -> int:
+    work = Path(a.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(work / "model")
+    make_model(work / "model", a.size, tok)
+    runs = {name: run_engine(a, work, name) for name in a.engines.split(",")}
+    result = {"device": a.device, "nproc": a.nproc, "size": a.size, "args": vars(a), "runs": runs,
+              "versions": versions()}
+    checks = {}
+    if {"stock", "odc"} <= runs.keys():
+        stock, odc = runs["stock"], runs["odc"]
+        result["compare"] = {"losses": close(odc["losses"], stock["losses"], a.rtol),
+                             "grad_norms": close(odc["grad_norms"], stock["grad_norms"], a.rtol),
+                             "pg_losses": close(odc["pg_losses"], stock["pg_losses"], a.rtol)}
+        if stock["tokens_per_s"] and odc["tokens_per_s"]:
+            result["summary"] = {"speedup_vs_stock": odc["tokens_per_s"] / stock["tokens_per_s"]}
+        per_rank = counters(odc)
+        counts = [c for c in odc["microbatches_per_rank"] if c]
+        checks = {
+            "losses equal": (result["compare"]["losses"]["equal"], str(result["compare"]["losses"])),
+            "gradient norms equal": (result["compare"]["grad_norms"]["equal"], str(result["compare"]["grad_norms"])),
+            "odc carried the FSDP collectives": (
+                len(per_rank) == a.nproc and all(c.get("decoupled_gets", 0) > 0 and c.get("decoupled_syncs", 0) > 0
+                                                 for c in per_rank),
+                f"decoupled gets / syncs per rank: {[(c.get('decoupled_gets'), c.get('decoupled_syncs')) for c in per_rank]}"),
+            "ranks ran their own microbatch counts": (
+                len(counts) == len(odc["losses"]) and any(len(set(step)) > 1 for step in counts),
+                f"microbatches per rank per optimizer step: {counts}"),
+        }
+    result["checks"] = {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}
+    (work / RESULT).write_text(json.dumps(result, indent=1))
+    for k, (ok, d) in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {k}: {d}")
+    print(json.dumps({"runs": {n: {"losses": r["losses"], "grad_norms": r["grad_norms"],
+                                   "tokens_per_s": r["tokens_per_s"]} for n, r in runs.items()},
+                      "summary": result.get("summary")}, indent=1))
+    passed = bool(checks) and all(ok for ok, _ in checks.values())
+    print(f"VERDICT: {'PASS' if passed else 'FAIL'} ({sum(ok for ok, _ in checks.values())}/{len(checks)} checks)")
+    return 0 if passed else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare", help="stock and odc runs of verl's actor update, compared")
+    w = sub.add_parser("worker", help="one rank of one run (under torchrun; compare starts it)")
+    for q in (c, w):
+        q.add_argument("--work", required=True)
+        q.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+        q.add_argument("--size", choices=sorted(SIZES), default="tiny")
+        q.add_argument("--steps", type=int, default=4, help="rollout batches (update_actor calls)")
+        q.add_argument("--prompts", type=int, default=16, help="prompts per rollout batch (all ranks)")
+        q.add_argument("--rollout-n", type=int, default=4, help="responses per prompt (verl's rollout.n)")
+        q.add_argument("--minibatches", type=int, default=1, help="optimizer steps per rollout batch")
+        q.add_argument("--max-prompt", type=int, default=32, help="the longest prompt, in tokens")
+        q.add_argument("--max-response", type=int, default=448, help="the longest response, in tokens")
+        q.add_argument("--max-tokens", type=int, default=512, help="verl's ppo_max_token_len_per_gpu")
+        q.add_argument("--loss-agg-mode", default="token-mean")
+        q.add_argument("--balance-batch", action=argparse.BooleanOptionalAction, default=True,
+                       help="verl's trainer.balance_batch (its default: on)")
+        q.add_argument("--lr", type=float, default=1e-4)
+        q.add_argument("--seed", type=int, default=1)
+        q.add_argument("--entry", default=None,
+                       help="on CPU: the shim that registers verl's CPU platform (tests/integrations/verl_cpu_shim/sft_cpu.py)")
+    c.add_argument("--nproc", type=int, default=2)
+    c.add_argument("--engines", default="stock,odc", help="runs: stock (verl's engine), odc")
+    c.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
+    c.add_argument("--rtol", type=float, default=1e-5)
+    c.add_argument("--timeout", type=float, default=1800)
+    w.add_argument("--engine", choices=("stock", "odc"), required=True)
+    w.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    if a.prompts % a.minibatches:
+        p.error("--prompts must be a multiple of --minibatches")
+    if a.device == "cpu" and not a.entry:
+        p.error("--device cpu needs --entry (the CPU shim)")
+    return compare(a) if a.cmd == "compare" else worker(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,7 +9,6 @@ CPU ("cpu:odc", 2 ranks) and CUDA ("cpu:gloo,cuda:odc", 2 ranks)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 

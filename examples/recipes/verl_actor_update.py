@@ -40,14 +40,14 @@ import math
 import os
 import pickle
 import random
-import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verl_sft import GPU_ENV, SIZES, close, counters, make_model, make_tokenizer, versions  # noqa: E402
+from verl_sft import (GPU_ENV, SIZES, close, engine_checks, finish, launch, make_model,  # noqa: E402
+                      make_tokenizer, versions)
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -260,12 +260,9 @@ def run_engine(a, work: Path, name: str) -> dict:
            str(Path(__file__).resolve()), *args]
     log = work / f"{name}.log"
     t0 = time.time()
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"{name}: exited with {proc.returncode}; log {log}:\n{log.read_text()[-6000:]}")
+    returncode = launch(cmd, env, log, a.timeout)
+    if returncode != 0 or not out.exists():
+        raise RuntimeError(f"{name}: exited with {returncode}; log {log}:\n{log.read_text()[-6000:]}")
     steps = json.loads(out.read_text())
     timed = [s for s in steps if s["step"] >= a.warmup]
     run = {"losses": [x for s in steps for x in _list(s["metrics"]["loss"])],
@@ -311,29 +308,10 @@ def compare(a) -> int:
                              "pg_losses": close(odc["pg_losses"], stock["pg_losses"], a.rtol)}
         if stock["tokens_per_s"] and odc["tokens_per_s"]:
             result["summary"] = {"speedup_vs_stock": odc["tokens_per_s"] / stock["tokens_per_s"]}
-        per_rank = counters(odc)
         counts = [c for c in odc["microbatches_per_rank"] if c]
-        checks = {
-            "losses equal": (result["compare"]["losses"]["equal"], str(result["compare"]["losses"])),
-            "gradient norms equal": (result["compare"]["grad_norms"]["equal"], str(result["compare"]["grad_norms"])),
-            "odc carried the FSDP collectives": (
-                len(per_rank) == a.nproc and all(c.get("decoupled_gets", 0) > 0 and c.get("decoupled_syncs", 0) > 0
-                                                 for c in per_rank),
-                f"decoupled gets / syncs per rank: {[(c.get('decoupled_gets'), c.get('decoupled_syncs')) for c in per_rank]}"),
-            "ranks ran their own microbatch counts": (
-                len(counts) == len(odc["losses"]) and any(len(set(step)) > 1 for step in counts),
-                f"microbatches per rank per optimizer step: {counts}"),
-        }
-    result["checks"] = {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}
-    (work / RESULT).write_text(json.dumps(result, indent=1))
-    for k, (ok, d) in checks.items():
-        print(f"{'ok  ' if ok else 'FAIL'} {k}: {d}")
-    print(json.dumps({"runs": {n: {"losses": r["losses"], "grad_norms": r["grad_norms"],
-                                   "tokens_per_s": r["tokens_per_s"]} for n, r in runs.items()},
-                      "summary": result.get("summary")}, indent=1))
-    passed = bool(checks) and all(ok for ok, _ in checks.values())
-    print(f"VERDICT: {'PASS' if passed else 'FAIL'} ({sum(ok for ok, _ in checks.values())}/{len(checks)} checks)")
-    return 0 if passed else 1
+        checks = engine_checks(result["compare"], odc, a.nproc, counts)
+        checks["policy losses equal"] = (result["compare"]["pg_losses"]["equal"], str(result["compare"]["pg_losses"]))
+    return finish(work / RESULT, result, checks, runs)
 
 
 def main(argv=None) -> int:

@@ -168,17 +168,22 @@ def run_engine(a, work: Path, name: str) -> dict:
     watcher.start()
     log = work / f"{name}.log"
     t0 = time.time()
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout)
+    returncode = launch(cmd, env, log, a.timeout)
     time.sleep(0.1)
     stop.set()
     watcher.join()
-    if proc.returncode != 0 or not metrics.exists():
-        raise RuntimeError(f"{name}: exited with {proc.returncode}; log {log}:\n{log.read_text()[-6000:]}")
+    if returncode != 0 or not metrics.exists():
+        raise RuntimeError(f"{name}: exited with {returncode}; log {log}:\n{log.read_text()[-6000:]}")
     return summarise([json.loads(x) for x in metrics.read_text().splitlines()], times, stats, a,
                      wall_s=time.time() - t0, log=str(log))
+
+
+def launch(cmd: list[str], env: dict, log: Path, timeout: float) -> int:
+    """Run ``cmd`` with its output (after the command line) in ``log``; its exit status."""
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        return subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
 
 
 def summarise(lines: list[dict], times: dict, stats: Path, a, **extra) -> dict:
@@ -236,7 +241,7 @@ def compare(a) -> int:
     result = {"device": a.device, "nproc": a.nproc, "size": a.size, "args": vars(a),
               "answer_words": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
               "runs": runs, "versions": versions()}
-    checks = {}
+    checks: dict = {}
     if {"stock", "odc"} <= runs.keys():
         stock, odc = runs["stock"], runs["odc"]
         result["compare"] = {"losses": close(odc["losses"], stock["losses"], a.rtol),
@@ -254,26 +259,38 @@ def compare(a) -> int:
                     result["summary"]["speedup_vs_stock" + suffix + tag] = o_run["tokens_per_s"] / s_run["tokens_per_s"]
                     result["summary"]["peak_memory_ratio" + suffix + tag] = (
                         _peak(o_run) / _peak(s_run) if _peak(s_run) else None)
-        per_rank = counters(odc)
-        counts = [c for c in odc["microbatches_per_rank"] if c]
-        checks = {
-            "losses equal": (result["compare"]["losses"]["equal"], str(result["compare"]["losses"])),
-            "gradient norms equal": (result["compare"]["grad_norms"]["equal"], str(result["compare"]["grad_norms"])),
-            "odc carried the FSDP collectives": (
-                len(per_rank) == a.nproc and all(c.get("decoupled_gets", 0) > 0 and c.get("decoupled_syncs", 0) > 0
-                                                 for c in per_rank),
-                f"decoupled gets / syncs per rank: {[(c.get('decoupled_gets'), c.get('decoupled_syncs')) for c in per_rank]}"),
-            "ranks ran their own microbatch counts": (
-                any(len({x[0] if isinstance(x, list) else x for x in step}) > 1 for step in counts),
-                f"microbatches per rank per step: {counts}"),
-        }
+        counts = [[x[0] if isinstance(x, list) else x for x in step] for step in odc["microbatches_per_rank"] if step]
+        checks = engine_checks(result["compare"], odc, a.nproc, counts)
+    return finish(work / RESULT, result, checks, runs)
+
+
+def engine_checks(compared: dict, odc: dict, nproc: int, counts: list[list[int]]) -> dict:
+    """The checks of a stock-vs-odc comparison (verl_sft.py, verl_actor_update.py): losses and
+    gradient norms equal, odc carried the FSDP collectives in decoupled mode on every rank, and
+    in some step the ranks ran different numbers of microbatches (``counts``: per step, per rank)."""
+    per_rank = counters(odc)
+    return {
+        "losses equal": (compared["losses"]["equal"], str(compared["losses"])),
+        "gradient norms equal": (compared["grad_norms"]["equal"], str(compared["grad_norms"])),
+        "odc carried the FSDP collectives": (
+            len(per_rank) == nproc and all(c.get("decoupled_gets", 0) > 0 and c.get("decoupled_syncs", 0) > 0
+                                           for c in per_rank),
+            f"decoupled gets / syncs per rank: {[(c.get('decoupled_gets'), c.get('decoupled_syncs')) for c in per_rank]}"),
+        "ranks ran their own microbatch counts": (
+            any(len(set(step)) > 1 for step in counts), f"microbatches per rank per step: {counts}"),
+    }
+
+
+def finish(path: Path, result: dict, checks: dict, runs: dict) -> int:
+    """Write the result with its checks, print them, the runs' losses and tokens/s and the
+    verdict; the exit status (0: every check passed)."""
     result["checks"] = {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}
-    (work / RESULT).write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(result, indent=1))
     for k, (ok, d) in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {k}: {d}")
     print(json.dumps({"runs": {n: {"losses": r["losses"], "tokens_per_s": r["tokens_per_s"]} for n, r in runs.items()},
                       "summary": result.get("summary")}, indent=1))
-    passed = all(ok for ok, _ in checks.values())
+    passed = bool(checks) and all(ok for ok, _ in checks.values())
     print(f"VERDICT: {'PASS' if passed else 'FAIL'} ({sum(ok for ok, _ in checks.values())}/{len(checks)} checks)")
     return 0 if passed else 1
 

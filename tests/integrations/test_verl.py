@@ -5,45 +5,24 @@ tests/integrations/verl_cpu_shim/sft_cpu.py: equal per-step losses and gradient 
 numbers of microbatches, also with dynamic balancing (``ODC_VERL_BALANCE=dynamic``); with ``ODC_VERL_ROLES=none`` the same setting leaves verl's engine
 in place (bitwise the stock run). Plus the engine's input checks.
 
-verl 0.9.1 pins transformers below the version the other recipes use, so it lives in its own
-environment: ``ODC_TEST_VERL_PYTHON`` (default ``.venv-verl/bin/python`` of the checkout,
-which .ci/run makes) with this checkout on its ``PYTHONPATH``.
+verl runs in its own environment (tests/integrations/verl_env.py).
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-VERL_PYTHON = Path(os.environ.get("ODC_TEST_VERL_PYTHON", REPO / ".venv-verl" / "bin" / "python"))
-SHIM = REPO / "tests" / "integrations" / "verl_cpu_shim" / "sft_cpu.py"
+from verl_env import compare_on_cpu, needs_verl, run
 
-pytestmark = pytest.mark.skipif(not VERL_PYTHON.exists(), reason=(
-    f"no verl environment at {VERL_PYTHON} (make it as .ci/run does, or set ODC_TEST_VERL_PYTHON)"))
-
-
-def _run(args: list[str], timeout: float = 600, **env) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), **env)
-    return subprocess.run([str(VERL_PYTHON), *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+pytestmark = needs_verl
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("verl_cpu")
-    proc = _run([str(REPO / "examples" / "recipes" / "verl_sft.py"), "compare", "--work", str(work),
-                 "--device", "cpu", "--entry", str(SHIM), "--engines", "stock,odc,odc_dynamic,odc_off",
-                 "--steps", "4", "--batch", "8", "--rows", "64", "--max-words", "150",
-                 "--max-tokens", "256"])
-    if proc.returncode != 0 or "VERDICT: PASS" not in proc.stdout:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(work.glob("*.log")))
-        pytest.fail(f"verl_sft.py compare exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-3000:]}\n{logs}")
-    return json.loads((work / "verl_sft_result.json").read_text())
+    return compare_on_cpu("verl_sft.py", "verl_sft_result.json", tmp_path_factory.mktemp("verl_cpu"),
+                          "--engines", "stock,odc,odc_dynamic,odc_off", "--steps", "4", "--batch", "8",
+                          "--rows", "64", "--max-words", "150", "--max-tokens", "256")
 
 
 def test_odc_engine_equals_verls_engine(result):
@@ -132,7 +111,7 @@ print(json.dumps(out))
 
 
 def test_engine_input_checks():
-    proc = _run(["-c", CHECKS], timeout=300)
+    proc = run(["-c", CHECKS], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["split"] == [[0, [0]], [2, [2, 0, 1]]]

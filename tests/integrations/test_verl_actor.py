@@ -6,44 +6,27 @@ equal per-optimizer-step losses, policy-gradient losses and gradient norms (with
 ranks of the odc run ran different numbers of microbatches, and odc carried the FSDP
 collectives in decoupled mode.
 
-verl lives in its own environment, as for tests/integrations/test_verl.py:
-``ODC_TEST_VERL_PYTHON`` (default ``.venv-verl/bin/python`` of the checkout) with this checkout
-on its ``PYTHONPATH``.
+verl runs in its own environment (tests/integrations/verl_env.py).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-VERL_PYTHON = Path(os.environ.get("ODC_TEST_VERL_PYTHON", REPO / ".venv-verl" / "bin" / "python"))
-SHIM = REPO / "tests" / "integrations" / "verl_cpu_shim" / "sft_cpu.py"
+from verl_env import compare_on_cpu, needs_verl
+
 STEPS, MINIBATCHES = 3, 2  # rollout batches, optimizer steps per batch
 
-pytestmark = pytest.mark.skipif(not VERL_PYTHON.exists(), reason=(
-    f"no verl environment at {VERL_PYTHON} (make it as .ci/run does, or set ODC_TEST_VERL_PYTHON)"))
+pytestmark = needs_verl
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("verl_actor_cpu")
     # 16 prompts x 4 responses of up to 32 + 448 tokens, 512 tokens a microbatch: the odc run's
     # ranks get 2 or 3 microbatches a minibatch, not always as many as each other
-    args = [str(REPO / "examples" / "recipes" / "verl_actor_update.py"), "compare", "--work", str(work),
-            "--device", "cpu", "--entry", str(SHIM), "--nproc", "2", "--steps", str(STEPS),
-            "--minibatches", str(MINIBATCHES), "--prompts", "16", "--rollout-n", "4",
-            "--max-prompt", "32", "--max-response", "448", "--max-tokens", "512", "--rtol", "1e-5"]
-    proc = subprocess.run([str(VERL_PYTHON), *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 or "VERDICT: PASS" not in proc.stdout:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(work.glob("*.log")))
-        pytest.fail(f"verl_actor_update.py compare exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-3000:]}\n{logs}")
-    return json.loads((work / "verl_actor_update_result.json").read_text())
+    return compare_on_cpu("verl_actor_update.py", "verl_actor_update_result.json",
+                          tmp_path_factory.mktemp("verl_actor_cpu"), "--nproc", "2", "--steps", str(STEPS),
+                          "--minibatches", str(MINIBATCHES), "--prompts", "16", "--rollout-n", "4",
+                          "--max-prompt", "32", "--max-response", "448", "--max-tokens", "512", "--rtol", "1e-5")
 
 
 def test_odc_actor_update_equals_verls(result):

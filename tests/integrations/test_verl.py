@@ -125,3 +125,50 @@ def test_engine_input_checks():
     assert out["filled"][2] == {"clip": ["mean", 0.30000000000000004], "lo": ["min", -3.0], "pg_loss": ["sum", 0.0]}
     assert out["filled"][0]["pg_loss"] == ["sum", 1.5] and out["filled"][1]["lo"] == ["min", -3.0]
     assert "ODC_VERL_BALANCE" in out["balance:greedy"] and "greedy" in out["balance:greedy"]
+
+
+EXCHANGE = r"""
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from verl.utils import tensordict_utils as tu
+from torch_odc_backend.balance import TransformerCost
+from torch_odc_backend.verl.minibatch import gather_minibatch, microbatch_of, share_of_minibatch
+from torch_odc_backend.balance import lb_mini
+
+def part(rank):  # rank r loads samples whose token ids say (rank, sample, position)
+    lens = [[5, 40, 7, 22, 3], [31, 2, 18]][rank]
+    ids = [torch.arange(n) + 1000 * (10 * rank + i) for i, n in enumerate(lens)]
+    return tu.get_tensordict({"input_ids": tu.nested_tensor_from_tensor_list(ids),
+                              "score": torch.tensor([float(10 * rank + i) for i in range(len(lens))])},
+                             non_tensor_dict={"max_token_len_per_gpu": 64})
+
+def run(rank, world, path):
+    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=world)
+    cost = TransformerCost(hidden_size=8, num_layers=1, intermediate_size=16, num_heads=2, vocab_size=16)
+    got = share_of_minibatch(part(rank), max_tokens=64, cost=cost, group=dist.group.WORLD)
+    everyone, counts, flat = gather_minibatch(part(rank), dist.group.WORLD)
+    want = [microbatch_of(everyone, counts, mb) for mb in lb_mini(flat, world, 64, cost)[rank]]
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want):
+        assert [t.tolist() for t in g["input_ids"].unbind()] == [t.tolist() for t in w["input_ids"].unbind()]
+        assert g["score"].tolist() == w["score"].tolist()
+    moved = sum(1 for g in got for s in g["score"].tolist() if int(s) // 10 != rank)
+    print(f"rank {rank}: {len(got)} microbatches, {moved} samples from the other rank", flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "store")
+    mp.spawn(run, args=(2, path), nprocs=2)
+    print("EXCHANGE OK")
+"""
+
+
+def test_lb_mini_exchange_moves_each_sample_to_its_rank(tmp_path):
+    """share_of_minibatch (lengths gathered, samples sent once, all-to-all) builds the same
+    microbatches as gathering every sample everywhere, and samples do cross ranks."""
+    script = tmp_path / "exchange.py"
+    script.write_text(EXCHANGE)
+    proc = run([str(script)], timeout=300)
+    assert proc.returncode == 0 and "EXCHANGE OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    moved = [int(line.split(", ")[1].split()[0]) for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert len(moved) == 2 and sum(moved) > 0, proc.stdout

@@ -1,10 +1,12 @@
 """The odc engine's two pieces of plumbing: an odc mesh shaped like verl's, and this rank's
 LB-Mini share of a minibatch that verl's data loader spread over the ranks.
 
-A rank's share holds samples that other ranks loaded: every rank gathers every rank's samples
-(token ids and masks, small beside the model), all compute the same LB-Mini plan from the same
-lengths (:func:`torch_odc_backend.balance.lb_mini` is deterministic), and each builds its
-microbatches from it. The gradient is a sum over the minibatch's samples, and verl normalises
+A rank's share holds samples that other ranks loaded. With LB-Mini the ranks gather the
+samples' lengths only, all compute the same plan from them
+(:func:`torch_odc_backend.balance.lb_mini` is deterministic), and each rank sends every other
+the samples of its own that the plan gives that rank (one all-to-all of the pickled samples:
+each sample travels once). With dynamic balancing a rank may end up training any sample, so
+every rank gathers every rank's samples (token ids and masks, small beside the model). The gradient is a sum over the minibatch's samples, and verl normalises
 each microbatch's loss by the minibatch's token count, so who trains which sample does not
 change the result beyond the order of summation.
 """
@@ -73,9 +75,58 @@ def share_of_minibatch(data, *, max_tokens: int, cost: CostModel, group) -> list
     """This rank's microbatches (TensorDicts) of the minibatch whose local part is ``data``:
     LB-Mini over every rank's samples, each microbatch at most ``max_tokens`` tokens. A rank
     may get none. Collective over ``group`` (every rank calls it once per minibatch)."""
-    everyone, counts, flat = gather_minibatch(data, group)
-    plan = lb_mini(flat, dist.get_world_size(group), max_tokens, cost)
-    return [microbatch_of(everyone, counts, indices) for indices in plan[dist.get_rank(group)]]
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    lengths = [None] * world
+    dist.all_gather_object(lengths, sample_lengths(data), group=group)
+    counts = [len(x) for x in lengths]
+    plan = lb_mini([n for part in lengths for n in part], world, max_tokens, cost)
+    local = data.cpu()
+    # to each rank, the samples of mine its microbatches hold, in the order they appear there
+    outgoing = []
+    for rank in range(world):
+        mine = [i for owner, idx in _owned_in_order(plan[rank], counts) if owner == me for i in idx]
+        outgoing.append(tu.index_select_tensor_dict(local, mine) if mine else None)
+    incoming = _all_to_all_objects(outgoing, group)
+    # where each sample of my microbatches arrived: (source rank, position in what it sent)
+    arrived, seen = {}, [0] * world
+    for owner, idx in _owned_in_order(plan[me], counts):
+        for i in idx:
+            arrived[(owner, i)] = seen[owner]
+            seen[owner] += 1
+    micro_batches = []
+    for indices in plan[me]:
+        parts = [tu.index_select_tensor_dict(incoming[owner], [arrived[(owner, i)] for i in idx])
+                 for owner, idx in split_by_owner(indices, counts)]
+        micro_batches.append(parts[0] if len(parts) == 1 else tu.concat_tensordict(parts))
+    return micro_batches
+
+
+def _owned_in_order(microbatches: list[list[int]], counts: list[int]) -> list[tuple[int, list[int]]]:
+    """(owner, its local indices) of every microbatch in turn: the order samples travel in."""
+    return [pair for mb in microbatches for pair in split_by_owner(mb, counts)]
+
+
+def _all_to_all_objects(outgoing: list, group) -> list:
+    """``outgoing[r]`` (any picklable object) to rank ``r``; returns what each rank sent here.
+    Byte tensors on the CPU: with verl's ``cpu:gloo,cuda:nccl`` group, gloo carries them."""
+    import pickle
+
+    import torch
+
+    payloads = [pickle.dumps(obj) for obj in outgoing]
+    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8) if sum(map(len, payloads)) else \
+        torch.empty(0, dtype=torch.uint8)
+    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes.tolist(),
+                           input_split_sizes=send_sizes.tolist(), group=group)
+    out, at = [], 0
+    for n in recv_sizes.tolist():
+        out.append(pickle.loads(recv[at:at + n].numpy().tobytes()))
+        at += n
+    return out
 
 
 def claimed_microbatches(data, *, balancer, max_tokens: int, cost: CostModel, group):

@@ -114,7 +114,8 @@ def overrides(a, work: Path, name: str) -> list[str]:
          "trainer.logger=[console,file]", "trainer.save_freq=-1", "trainer.test_freq=-1",
          "trainer.resume_mode=disable", f"trainer.default_local_dir={work / ('ckpt_' + name)}",
          "trainer.project_name=odc_verl_sft", f"trainer.experiment_name={name}", f"trainer.seed={a.seed}",
-         f"hydra.run.dir={work / ('hydra_' + name)}"]  # Hydra's own output folder: not the cwd
+         f"hydra.run.dir={work / ('hydra_' + name)}",  # Hydra's own output folder: not the cwd
+         "checkpoint.save_contents=[]"]  # verl saves at the last step: not the model and optimizer
     if cpu:  # fp32 throughout: the comparison is then reassociation alone
         o += ["engine.model_dtype=fp32", "+engine.mixed_precision.param_dtype=fp32",
               "+engine.mixed_precision.reduce_dtype=fp32", "+engine.mixed_precision.buffer_dtype=fp32"]

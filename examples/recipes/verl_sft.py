@@ -115,7 +115,8 @@ def overrides(a, work: Path, name: str) -> list[str]:
          "trainer.resume_mode=disable", f"trainer.default_local_dir={work / ('ckpt_' + name)}",
          "trainer.project_name=odc_verl_sft", f"trainer.experiment_name={name}", f"trainer.seed={a.seed}",
          f"hydra.run.dir={work / ('hydra_' + name)}",  # Hydra's own output folder: not the cwd
-         "checkpoint.save_contents=[]"]  # verl saves at the last step: not the model and optimizer
+         "checkpoint.save_contents=[]",  # verl saves at the last step: not the model and optimizer
+         f"engine.fsdp_size={a.fsdp_size}"]
     if cpu:  # fp32 throughout: the comparison is then reassociation alone
         o += ["engine.model_dtype=fp32", "+engine.mixed_precision.param_dtype=fp32",
               "+engine.mixed_precision.reduce_dtype=fp32", "+engine.mixed_precision.buffer_dtype=fp32"]
@@ -325,6 +326,8 @@ def main(argv=None) -> int:
     c.add_argument("--rows", type=int, default=256, help="conversations in the data set")
     c.add_argument("--max-words", type=int, default=200, help="the longest answer, in words")
     c.add_argument("--max-tokens", type=int, default=512, help="verl's max_token_len_per_gpu (and max_length)")
+    c.add_argument("--fsdp-size", type=int, default=-1,
+                   help="verl's engine.fsdp_size: ranks per shard group (HSDP below --nproc; -1: all)")
     c.add_argument("--lr", type=float, default=1e-3)
     c.add_argument("--seed", type=int, default=1)
     c.add_argument("--rtol", type=float, default=1e-5)

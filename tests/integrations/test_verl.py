@@ -25,6 +25,27 @@ def result(tmp_path_factory) -> dict:
                           "--rows", "64", "--max-words", "150", "--max-tokens", "256")
 
 
+@pytest.fixture(scope="module")
+def hsdp_result(tmp_path_factory) -> dict:
+    """4 ranks, verl's engine.fsdp_size=2: a (replicate 2, shard 2) mesh."""
+    return compare_on_cpu("verl_sft.py", "verl_sft_result.json", tmp_path_factory.mktemp("verl_hsdp"),
+                          "--nproc", "4", "--fsdp-size", "2", "--steps", "3", "--batch", "16", "--rows", "64",
+                          "--max-words", "150", "--max-tokens", "256")
+
+
+def test_hsdp_odc_engine_equals_verls_engine(hsdp_result):
+    """With HSDP the odc mesh is 2-D (a replicate and a shard group of odc per rank); decoupled
+    mode all-reduces over the replicas in odc.sync; the losses equal verl's engine's."""
+    cmp = hsdp_result["compare"]
+    assert cmp["losses"]["steps"] == 3 and cmp["losses"]["equal"] and cmp["grad_norms"]["equal"], cmp
+    for rank in hsdp_result["runs"]["odc"]["odc_stats"]:
+        sizes = sorted(g["size"] for g in rank["groups"])
+        assert sizes == [2, 2], rank["groups"]
+        shard = [g for g in rank["groups"] if g["stats"].get("decoupled_syncs")]
+        assert len(shard) == 1 and shard[0]["stats"]["decoupled_syncs"] == 3, rank["groups"]
+    assert hsdp_result["checks"]["ranks ran their own microbatch counts"]["ok"], hsdp_result["checks"]
+
+
 def test_odc_engine_equals_verls_engine(result):
     cmp = result["compare"]
     assert cmp["losses"]["steps"] == 4 and cmp["losses"]["equal"], cmp

@@ -198,6 +198,7 @@ def summarise(lines: list[dict], times: dict, stats: Path, a, **extra) -> dict:
            "grad_norms": [d.get("train/grad_norm") for d in data],
            "step_s": step_s, "tokens_per_s": sum(tokens[s] for s in timed) / sum(step_s) if step_s else None,
            "microbatches_per_rank": [d.get("odc/microbatches") for d in data],
+           "early_all_reduces_per_rank": [d.get("odc/early_all_reduces") for d in data],
            "peak_memory_gb": [d.get("perf/max_memory_allocated_gb") for d in data], **extra}
     files = sorted(stats.glob("odc_stats_rank*.json")) if stats.exists() else []
     out["odc_stats"] = [json.loads(f.read_text()) for f in files]

@@ -44,6 +44,9 @@ def test_hsdp_odc_engine_equals_verls_engine(hsdp_result):
         shard = [g for g in rank["groups"] if g["stats"].get("decoupled_syncs")]
         assert len(shard) == 1 and shard[0]["stats"]["decoupled_syncs"] == 3, rank["groups"]
     assert hsdp_result["checks"]["ranks ran their own microbatch counts"]["ok"], hsdp_result["checks"]
+    # each rank announced its last microbatch: the replicate all-reduces started in its backward
+    early = hsdp_result["runs"]["odc"]["early_all_reduces_per_rank"][-1]  # over steps 1-2
+    assert early and all((x[0] if isinstance(x, list) else x) > 0 for x in early), early
 
 
 def test_odc_engine_equals_verls_engine(result):

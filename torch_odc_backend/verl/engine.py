@@ -82,7 +82,16 @@ class _OdcEngine:
 
         scaler = getattr(self, "scaler", None)
         outputs = []
-        for i, micro_batch in enumerate(self._microbatches(data)):
+        micro_batches = self._microbatches(data)
+        # HSDP: the largest microbatch last, announced, so the cross-replica all-reduce of each
+        # gradient shard starts during its backward instead of in odc.sync (LB-Mini lists a
+        # rank's microbatches most expensive first)
+        announce = self.device_mesh.ndim > 1 and isinstance(micro_batches, list)
+        if announce:
+            micro_batches = micro_batches[::-1]
+        for i, micro_batch in enumerate(micro_batches):
+            if announce and i == len(micro_batches) - 1:
+                odc.last_microbatch(self.module)
             with torch.profiler.record_function(f"micro_batch{i}"):
                 loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=False)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -92,6 +101,8 @@ class _OdcEngine:
         out = postprocess_batch_func(output_lst=outputs, indices=None, data=data)
         _one_value_per_rank(out["metrics"], self.get_data_parallel_group())
         out["metrics"]["odc/microbatches"] = [len(outputs)]  # this rank's count (verl gathers them)
+        # groups whose cross-replica all-reduce started early, over the minibatches before this one
+        out["metrics"]["odc/early_all_reduces"] = [odc.metrics(self.module)["early_all_reduces"]]
         return out
 
     def _microbatches(self, data):

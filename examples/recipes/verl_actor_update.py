@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""verl's RL actor update on the odc engine against verl's own FSDP2 engine, fed rollouts made
-beforehand (no rollout engine): the same model, rollouts and settings; the odc run adds only
-``import torch_odc_backend.verl`` (what ``model.external_lib=torch_odc_backend.verl`` does).
+"""verl's RL actor (or critic) update on the odc engine against verl's own FSDP2 engine, fed
+rollouts made beforehand (no rollout engine): the same model, rollouts and settings; the odc run
+adds only ``import torch_odc_backend.verl`` (what ``model.external_lib=torch_odc_backend.verl`` does).
 
     python examples/recipes/verl_actor_update.py compare --work DIR [--device cuda] [--nproc 4]
-        [--size 0.5b] [--steps 4] [--prompts 16] [--rollout-n 4] [--minibatches 1]
+        [--size 0.5b] [--steps 4] [--prompts 16] [--rollout-n 4] [--minibatches 1] [--role critic]
 
 Needs verl (docs/trainers.md gives the versions). ``compare`` writes a tokenizer and a Qwen2
 model of random weights (``--size``, examples/recipes/verl_sft.py's) into DIR and runs this
@@ -20,16 +20,27 @@ with ``ppo_loss``, one optimizer step). The rollouts are synthetic and the same 
 lengths long-tailed (Pareto), GRPO advantages (verl's ``compute_grpo_outcome_advantage``) of
 outcome rewards of 1 for the longer half of each group, old log-probs near a random model's.
 
+``--role critic`` updates verl's critic instead, built as verl's PPO trainer builds it with the
+engine workers (``RayPPOTrainer.init_workers``: a ``TrainingWorker`` of model type
+``value_model`` from the config's ``critic`` section, its loss ``value_loss``), and does what
+the trainer does with a batch (``_update_critic``: the worker's ``train_mini_batch``, one
+optimizer step per minibatch), on the same rollouts with old values near zero and returns of
+verl's GAE (``compute_gae_advantage_return``, ``gamma = lam = 1``: each response token's return
+is the outcome reward). The loss metric compared beside ``loss`` is then ``critic/vf_loss``. verl 0.9.1 loads the critic's model with
+``attn_implementation="flash_attention_2"`` whatever the config says
+(``verl.utils.model.load_valuehead_model``), so ``--role critic`` needs flash-attn installed,
+on GPUs and on CPU alike.
+
 It writes ``DIR/verl_actor_update_result.json``: per optimizer step the loss (verl's ``loss``
 metric: the sum of the microbatch losses, averaged over the data-parallel ranks) and gradient
 norm of both runs, update times and tokens/s (after ``--warmup`` steps), the per-rank
 microbatch counts of the odc run, what odc carried (``ODC_STATS_DIR``), and the checks (losses
 and gradient norms equal within ``--rtol``, odc carried the data-parallel collectives, ranks'
-microbatch counts differed), then a ``VERDICT`` line.
+microbatch counts differed), then a ``VERDICT`` line (the critic's: ``verl_critic_update_result.json``).
 
 verl has no CPU engine: on CPU pass ``--entry tests/integrations/verl_cpu_shim/sft_cpu.py``;
 every rank imports it first (it registers a CPU platform, chosen by ``VERL_PLATFORM=cpu``) and
-registers verl's own FSDP engine for the CPU. On GPUs both runs attend with PyTorch's
+registers verl's own FSDP engines for the CPU. On GPUs both runs attend with PyTorch's
 variable-length flash attention (examples/recipes/verl_varlen_attention.py).
 """
 from __future__ import annotations
@@ -52,6 +63,10 @@ from verl_sft import (GPU_ENV, SIZES, close, engine_checks, finish, launch, make
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 RESULT = "verl_actor_update_result.json"
+RESULTS = {"actor": RESULT, "critic": "verl_critic_update_result.json"}
+# per role: the loss function's own metrics, as (result key, verl's metric)
+ROLE_METRICS = {"actor": (("pg_losses", "actor/pg_loss"), ("pg_clipfracs", "actor/pg_clipfrac")),
+                "critic": (("vf_losses", "critic/vf_loss"), ("vf_clipfracs", "critic/vf_clipfrac"))}
 
 
 # ---- the rollouts, made beforehand
@@ -93,7 +108,17 @@ def rollouts(a, step: int, pad_id: int, vocab: int):
         token_level_rewards=rewards, response_mask=response_mask,
         index=np.array([i // a.rollout_n for i in range(rows)], dtype=object))
     old_log_probs = (-math.log(vocab) + 0.1 * torch.randn(rows, R, generator=gen)) * response_mask.float()
-    return {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+    extra = {}
+    if a.role == "critic":
+        # old values near zero (a fresh value head's); returns and advantages of verl's GAE with
+        # the trainer's defaults (algorithm.gamma = lam = 1): the outcome reward on every token
+        from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+        values = 0.05 * torch.randn(rows, R, generator=gen) * response_mask.float()
+        advantages, returns = compute_gae_advantage_return(
+            token_level_rewards=rewards, values=values, response_mask=response_mask, gamma=1.0, lam=1.0)
+        extra = {"values": values}
+    return {**extra, "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
             "attention_mask": mask, "position_ids": position_ids, "response_mask": response_mask,
             "old_log_probs": old_log_probs, "advantages": advantages, "returns": returns,
             "token_level_rewards": rewards}
@@ -116,9 +141,9 @@ def balance(batch: dict, dp: int) -> dict:
 
 
 def update_batch(a, batch: dict, rank: int, dp: int):
-    """This rank's part of the batch as ``RayPPOTrainer._update_actor`` hands it to the workers:
-    verl's no-padding layout with the trainer's settings, chunked over the data-parallel ranks as
-    the ``update_actor`` dispatch chunks it."""
+    """This rank's part of the batch as ``RayPPOTrainer._update_actor`` (``_update_critic``)
+    hands it to the workers: verl's no-padding layout with the trainer's settings, chunked over
+    the data-parallel ranks as the ``update_actor`` (``train_mini_batch``) dispatch chunks it."""
     from tensordict import TensorDict
     from verl.protocol import BatchData
     from verl.utils import tensordict_utils as tu
@@ -128,9 +153,13 @@ def update_batch(a, batch: dict, rank: int, dp: int):
     tu.assign_non_tensor(td, temperature=1.0, multi_turn=False)  # the trainer's meta_info
     td = left_right_2_no_padding(td)
     mini = a.prompts // a.minibatches * a.rollout_n  # ppo_mini_batch_size * rollout.n
-    tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
-                         global_batch_size=mini, mini_batch_size=mini, epochs=1, seed=42,
-                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    if a.role == "critic":  # _update_critic's (critic.data_loader_seed, .shuffle)
+        tu.assign_non_tensor(td, global_batch_size=mini, mini_batch_size=mini, epochs=1, seed=42,
+                             dataloader_kwargs={"shuffle": False})
+    else:
+        tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                             global_batch_size=mini, mini_batch_size=mini, epochs=1, seed=42,
+                             dataloader_kwargs={"shuffle": False}, compute_loss=True)
     # Ray hands each worker its chunk serialised: a copy of its own, not a (locked) view
     return pickle.loads(pickle.dumps(BatchData(td).chunk(chunks=dp)[rank]))
 
@@ -155,6 +184,25 @@ def overrides(a, work: Path) -> list[str]:
     if cpu:  # fp32 throughout: the comparison is then reassociation alone
         o += [f"{ar}.actor.fsdp_config.model_dtype=fp32",
               *(f"+{ar}.actor.fsdp_config.mixed_precision.{k}_dtype=fp32" for k in ("param", "reduce", "buffer"))]
+    if a.role == "critic":
+        o += critic_overrides(a, work)
+    return o
+
+
+def critic_overrides(a, work: Path) -> list[str]:
+    """The ``critic`` section's overrides: the actor's settings, for the critic."""
+    cpu = a.device == "cpu"
+    attention = "sdpa" if cpu else "odc_varlen"
+    o = [f"critic.model.path={work / 'model'}", f"+critic.model.override_config.attn_implementation={attention}",
+         "critic.model.use_remove_padding=True", f"critic.model.enable_gradient_checkpointing={not cpu}",
+         "critic.strategy=fsdp2", "critic.fsdp.use_torch_compile=False",
+         f"critic.optim.lr={a.lr}", f"critic.optim.total_training_steps={a.steps * a.minibatches}",
+         f"critic.ppo_mini_batch_size={a.prompts // a.minibatches}",
+         "critic.use_dynamic_bsz=True", f"critic.ppo_max_token_len_per_gpu={a.max_tokens}", "critic.shuffle=False",
+         f"critic.loss_agg_mode={a.loss_agg_mode}", f"critic.fsdp.seed={a.seed}"]
+    if cpu:
+        o += ["critic.fsdp.model_dtype=fp32",
+              *(f"+critic.fsdp.mixed_precision.{k}_dtype=fp32" for k in ("param", "reduce", "buffer"))]
     return o
 
 
@@ -169,10 +217,36 @@ def load_cpu_shim(path: str) -> None:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
     EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"],
                             device="cpu")(FSDPEngineWithLMHead)
+    EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"],
+                            device="cpu")(FSDPEngineWithValueHead)
+
+
+def build_critic(cfg):
+    """verl's critic as ``RayPPOTrainer.init_workers`` builds it with the engine workers: a
+    ``TrainingWorker`` of model type ``value_model`` from the ``critic`` section, reset (the
+    engine initialised), its loss ``value_loss``."""
+    from functools import partial
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
+    from verl.workers.utils.losses import value_loss
+
+    critic_cfg = omega_conf_to_dataclass(cfg.critic)
+    engine_config = critic_cfg.engine
+    engine_config.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+    engine_config.max_token_len_per_gpu = critic_cfg.ppo_max_token_len_per_gpu
+    profiler = cfg.critic.get("profiler", {})
+    critic = TrainingWorker(config=TrainingWorkerConfig(
+        model_type="value_model", model_config=critic_cfg.model, engine_config=engine_config,
+        optimizer_config=critic_cfg.optim, checkpoint_config=critic_cfg.checkpoint,
+        profiler_config=omega_conf_to_dataclass(profiler) if profiler else None, extra_context={}))
+    critic.reset()
+    critic.set_loss_fn(partial(value_loss, config=critic_cfg))
+    return critic
 
 
 def worker(a) -> int:
@@ -197,11 +271,20 @@ def worker(a) -> int:
     with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
                                version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=overrides(a, work))
-    actor = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
-    actor.init_model()
-    rank, dp = actor.actor.engine.get_data_parallel_rank(), actor.actor.engine.get_data_parallel_size()
-    tok = actor.actor.model_config.tokenizer
-    vocab = min(len(tok), actor.actor.model_config.hf_config.vocab_size)
+    if a.role == "critic":
+        # the value head (``score``) is new: the model initialises it from torch's global random
+        # state, which verl leaves unseeded (it differs between runs); seeded, both runs start
+        # from the same critic
+        torch.manual_seed(a.seed)
+        trainer = build_critic(cfg)
+        update, model_config = trainer.train_mini_batch, trainer.model_config
+    else:
+        actor = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+        actor.init_model()
+        trainer, update, model_config = actor.actor, actor.update_actor, actor.actor.model_config
+    rank, dp = trainer.engine.get_data_parallel_rank(), trainer.engine.get_data_parallel_size()
+    tok = model_config.tokenizer
+    vocab = min(len(tok), model_config.hf_config.vocab_size)
 
     steps = []
     for step in range(a.steps):
@@ -212,7 +295,7 @@ def worker(a) -> int:
         data = update_batch(a, batch, rank, dp)
         dist.barrier()
         t0 = time.perf_counter()
-        out = actor.update_actor(data)
+        out = update(data)
         dist.barrier()
         dt = time.perf_counter() - t0
         if rank == 0:
@@ -241,7 +324,8 @@ def _plain(v):
 # ---- the comparison
 
 def run_engine(a, work: Path, name: str) -> dict:
-    out, stats = work / f"{name}_steps.json", work / f"{name}_odc_stats"
+    tag = name if a.role == "actor" else f"{a.role}_{name}"
+    out, stats = work / f"{tag}_steps.json", work / f"{tag}_odc_stats"
     out.unlink(missing_ok=True)
     env = dict(os.environ, **GPU_ENV, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", ODC_STATS_DIR=str(stats))
@@ -258,7 +342,7 @@ def run_engine(a, work: Path, name: str) -> dict:
                 args += [f"--{k.replace('_', '-')}", str(Path(v).resolve()) if k in ("work", "entry") else str(v)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
            str(Path(__file__).resolve()), *args]
-    log = work / f"{name}.log"
+    log = work / f"{tag}.log"
     t0 = time.time()
     returncode = launch(cmd, env, log, a.timeout)
     if returncode != 0 or not out.exists():
@@ -271,8 +355,7 @@ def run_engine(a, work: Path, name: str) -> dict:
                                      or [None] * len(_list(s["metrics"]["loss"]))],
            "update_s": [s["update_s"] for s in steps], "tokens": [s["tokens"] for s in steps],
            "tokens_per_s": (sum(s["tokens"] for s in timed) / sum(s["update_s"] for s in timed)) if timed else None,
-           "pg_losses": [x for s in steps for x in _list(s["metrics"].get("actor/pg_loss"))],
-           "pg_clipfracs": [x for s in steps for x in _list(s["metrics"].get("actor/pg_clipfrac"))],
+           **{key: [x for s in steps for x in _list(s["metrics"].get(metric))] for key, metric in ROLE_METRICS[a.role]},
            "wall_s": time.time() - t0, "log": str(log)}
     files = sorted(stats.glob("odc_stats_rank*.json")) if stats.exists() else []
     run["odc_stats"] = [json.loads(f.read_text()) for f in files]
@@ -298,32 +381,36 @@ def compare(a) -> int:
     tok = make_tokenizer(work / "model")
     make_model(work / "model", a.size, tok)
     runs = {name: run_engine(a, work, name) for name in a.engines.split(",")}
-    result = {"device": a.device, "nproc": a.nproc, "size": a.size, "args": vars(a), "runs": runs,
+    result = {"device": a.device, "nproc": a.nproc, "size": a.size, "role": a.role, "args": vars(a), "runs": runs,
               "versions": versions()}
     checks = {}
     if {"stock", "odc"} <= runs.keys():
         stock, odc = runs["stock"], runs["odc"]
+        own = ROLE_METRICS[a.role][0][0]  # the loss function's own loss metric (pg_losses, vf_losses)
         result["compare"] = {"losses": close(odc["losses"], stock["losses"], a.rtol),
                              "grad_norms": close(odc["grad_norms"], stock["grad_norms"], a.rtol),
-                             "pg_losses": close(odc["pg_losses"], stock["pg_losses"], a.rtol)}
+                             own: close(odc[own], stock[own], a.rtol)}
         if stock["tokens_per_s"] and odc["tokens_per_s"]:
             result["summary"] = {"speedup_vs_stock": odc["tokens_per_s"] / stock["tokens_per_s"]}
         counts = [c for c in odc["microbatches_per_rank"] if c]
         checks = engine_checks(result["compare"], odc, a.nproc, counts)
-        checks["policy losses equal"] = (result["compare"]["pg_losses"]["equal"], str(result["compare"]["pg_losses"]))
-    return finish(work / RESULT, result, checks, runs)
+        checks[f"{'policy' if a.role == 'actor' else 'value'} losses equal"] = (
+            result["compare"][own]["equal"], str(result["compare"][own]))
+    return finish(work / RESULTS[a.role], result, checks, runs)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compare", help="stock and odc runs of verl's actor update, compared")
+    c = sub.add_parser("compare", help="stock and odc runs of verl's actor (critic) update, compared")
     w = sub.add_parser("worker", help="one rank of one run (under torchrun; compare starts it)")
     for q in (c, w):
         q.add_argument("--work", required=True)
         q.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
         q.add_argument("--size", choices=sorted(SIZES), default="tiny")
-        q.add_argument("--steps", type=int, default=4, help="rollout batches (update_actor calls)")
+        q.add_argument("--role", choices=("actor", "critic"), default="actor",
+                       help="the update: verl's actor (update_actor) or critic (the critic's train_mini_batch)")
+        q.add_argument("--steps", type=int, default=4, help="rollout batches (update calls)")
         q.add_argument("--prompts", type=int, default=16, help="prompts per rollout batch (all ranks)")
         q.add_argument("--rollout-n", type=int, default=4, help="responses per prompt (verl's rollout.n)")
         q.add_argument("--minibatches", type=int, default=1, help="optimizer steps per rollout batch")

@@ -4,7 +4,11 @@ own FSDP2 engine (examples/recipes/verl_actor_update.py compare), fed the same s
 rollouts, on CPU ranks through tests/integrations/verl_cpu_shim/sft_cpu.py's CPU platform:
 equal per-optimizer-step losses, policy-gradient losses and gradient norms (within 1e-5), the
 ranks of the odc run ran different numbers of microbatches, and odc carried the FSDP
-collectives in decoupled mode.
+collectives in decoupled mode. The same for verl's critic update (``--role critic``: the
+critic's ``TrainingWorker.train_mini_batch`` with ``value_loss``, on odc's
+``OdcFSDPEngineWithValueHead``), its value losses in place of the policy losses, where
+flash-attn is installed: verl 0.9.1 loads the critic's model with flash_attention_2 whatever
+the config says, and replacing its loader would patch verl.
 
 verl runs in its own environment (tests/integrations/verl_env.py).
 """
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_env import compare_on_cpu, needs_verl
+from verl_env import compare_on_cpu, needs_verl, run
 
 STEPS, MINIBATCHES = 3, 2  # rollout batches, optimizer steps per batch
 
@@ -42,12 +46,68 @@ def test_odc_actor_update_equals_verls(result):
 
 
 def test_ranks_ran_their_own_microbatch_counts(result):
+    _check_counts(result)
+
+
+def test_odc_carried_the_collectives_decoupled(result):
+    _check_carried(result)
+
+
+def _has_flash_attn() -> bool:
+    try:
+        return run(["-c", "import flash_attn"], timeout=120).returncode == 0
+    except OSError:  # no verl environment: needs_verl skips
+        return False
+
+
+needs_flash_attn = pytest.mark.skipif(not _has_flash_attn(), reason=(
+    "the verl environment has no flash-attn: verl 0.9.1 loads the critic's model with "
+    "flash_attention_2 whatever the config says (load_valuehead_model)"))
+
+
+@pytest.fixture(scope="module")
+def critic_result(tmp_path_factory) -> dict:
+    # the actor's rollouts and settings; the critic's microbatches come out as the actor's
+    return compare_on_cpu("verl_actor_update.py", "verl_critic_update_result.json",
+                          tmp_path_factory.mktemp("verl_critic_cpu"), "--role", "critic", "--nproc", "2",
+                          "--steps", str(STEPS), "--minibatches", str(MINIBATCHES), "--prompts", "16",
+                          "--rollout-n", "4", "--max-prompt", "32", "--max-response", "448", "--max-tokens", "512",
+                          "--rtol", "1e-5")
+
+
+@needs_flash_attn
+def test_critic_update_equals_verls(critic_result):
+    assert critic_result["role"] == "critic"
+    cmp = critic_result["compare"]
+    assert cmp["losses"]["steps"] == STEPS * MINIBATCHES and cmp["losses"]["equal"], cmp
+    assert cmp["grad_norms"]["equal"], cmp
+    assert cmp["vf_losses"]["equal"], cmp  # value_loss's own metric (critic/vf_loss)
+    assert "pg_losses" not in cmp, cmp
+    stock, odc = critic_result["runs"]["stock"], critic_result["runs"]["odc"]
+    assert all(abs(x) > 1e-2 for x in stock["losses"]), stock["losses"]  # relative differences mean something
+    assert len(stock["vf_losses"]) == STEPS * MINIBATCHES, stock["vf_losses"]
+    assert all(c is None for c in stock["microbatches_per_rank"])  # the stock run is verl's engine
+    assert not stock["odc_stats"], stock["odc_stats"]
+    assert odc["tokens_per_s"] and stock["tokens_per_s"]
+
+
+@needs_flash_attn
+def test_critic_ranks_ran_their_own_microbatch_counts(critic_result):
+    _check_counts(critic_result)
+
+
+@needs_flash_attn
+def test_critic_odc_carried_the_collectives_decoupled(critic_result):
+    _check_carried(critic_result)
+
+
+def _check_counts(result):
     counts = result["runs"]["odc"]["microbatches_per_rank"]
     assert len(counts) == STEPS * MINIBATCHES and all(len(step) == 2 for step in counts), counts
     assert any(len(set(step)) > 1 for step in counts), counts  # LB-Mini, not equal counts
 
 
-def test_odc_carried_the_collectives_decoupled(result):
+def _check_carried(result):
     assert result["checks"]["odc carried the FSDP collectives"]["ok"], result["checks"]
     for rank in result["runs"]["odc"]["odc_stats"]:  # one odc group, not the default one: verl's
         groups = rank["groups"]                       # world group stays as verl made it

@@ -87,7 +87,7 @@ def _worker(rank, world, device_type):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     odc.decouple(model, opt)
     mine = [mb for mb in range(len(HAS_IMAGE)) if HAS_IMAGE[mb] == (rank == 1)]
-    grads, image_used = [], []
+    grads = []
     for step in range(STEPS):
         for mb in mine:
             _loss(model, mb, step, device).backward()
@@ -95,8 +95,8 @@ def _worker(rank, world, device_type):
         grads.append({n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    image_used.append(any(HAS_IMAGE[mb] for mb in mine))
-    return {"grads": grads, "image_used": image_used[0], "reference": _reference(device) if rank == 0 else None}
+    return {"grads": grads, "image_used": any(HAS_IMAGE[mb] for mb in mine),
+            "reference": _reference(device) if rank == 0 else None}
 
 
 def _check(res):

@@ -5,10 +5,28 @@ For checking recipes in-process (``megatron_fsdp_recipe.py`` calls it before it 
 groups). For a trainer whose code you do not touch, set ``ODC_STATS_DIR=DIR`` instead: at
 exit every process writes ``DIR/odc_stats_rank<R>.json`` with its odc groups and their
 counters, e.g. ``all_gather_ops``, ``reduce_scatter_ops`` (FSDP's one-sided collectives),
-``delegated_ops``, ``own_*_ops`` (``torchtitan_debug.py`` does this).
+``delegated_ops``, ``own_*_ops`` (``torchtitan_debug.py`` does this): ``read_stats_dir(DIR)``
+reads them back, ``summed_counters`` sums a rank's over its groups.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+
+def read_stats_dir(folder: Path) -> list[dict]:
+    """The records ``ODC_STATS_DIR=folder`` left, one per rank in rank order (none when no
+    process made an odc group, or the folder does not exist)."""
+    return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("odc_stats_rank*.json"))]
+
+
+def summed_counters(record: dict) -> dict:
+    """One rank's odc counters summed over its groups (a record of ``read_stats_dir``)."""
+    total: dict = {}
+    for group in record["groups"]:
+        for k, v in group["stats"].items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def group_report() -> list[dict]:

@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 
 import odc_entry_point  # beside this file
+from odc_stats import read_stats_dir, summed_counters
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -244,7 +245,7 @@ def launch(work: Path, name: str, nproc: int, overrides: list[str], *, odc: bool
         tail = log.read_text()[-6000:]
         raise RuntimeError(f"torchtitan run {name!r} exited with {proc.returncode}; log {log}:\n{tail}")
     record.update(read_scalars(out))
-    record["groups"] = read_stats(out / "odc_stats")
+    record["groups"] = read_stats_dir(out / "odc_stats")
     return record
 
 
@@ -268,20 +269,10 @@ def read_scalars(out: Path) -> dict:
             "grad_norms": [norm.get(s) for s in sorted(loss)]}
 
 
-def read_stats(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("odc_stats_rank*.json"))]
-
-
 def odc_summary(groups_per_rank: list[dict]) -> dict:
     """Per rank: whether the default group was odc's, and odc's counters summed over groups."""
-    ranks = []
-    for rec in groups_per_rank:
-        totals = {}
-        for g in rec["groups"]:
-            for k, v in g["stats"].items():
-                totals[k] = totals.get(k, 0) + v
-        ranks.append({"rank": rec["rank"], "default_group_on_odc": any(g["default"] for g in rec["groups"]),
-                      "odc_groups": len(rec["groups"]), "odc_counters": totals})
+    ranks = [{"rank": rec["rank"], "default_group_on_odc": any(g["default"] for g in rec["groups"]),
+              "odc_groups": len(rec["groups"]), "odc_counters": summed_counters(rec)} for rec in groups_per_rank]
     return {"ranks": ranks}
 
 

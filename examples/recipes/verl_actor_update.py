@@ -58,6 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verl_sft import (GPU_ENV, SIZES, close, engine_checks, finish, launch, make_model,  # noqa: E402
+                      read_odc_stats,
                       make_tokenizer, versions)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,7 +209,7 @@ def critic_overrides(a, work: Path) -> list[str]:
 
 def load_cpu_shim(path: str) -> None:
     """Import the CPU shim (it registers verl's "cpu" platform) and register verl's own FSDP
-    engine for the CPU, as tests/integrations/verl_cpu_shim/sft_cpu.py's ``main`` does."""
+    engines for the CPU with it."""
     import importlib.util
 
     os.environ.setdefault("VERL_PLATFORM", "cpu")
@@ -216,13 +217,7 @@ def load_cpu_shim(path: str) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
-
-    EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"],
-                            device="cpu")(FSDPEngineWithLMHead)
-    EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"],
-                            device="cpu")(FSDPEngineWithValueHead)
+    module.register_verl_engines()
 
 
 def build_critic(cfg):
@@ -357,9 +352,7 @@ def run_engine(a, work: Path, name: str) -> dict:
            "tokens_per_s": (sum(s["tokens"] for s in timed) / sum(s["update_s"] for s in timed)) if timed else None,
            **{key: [x for s in steps for x in _list(s["metrics"].get(metric))] for key, metric in ROLE_METRICS[a.role]},
            "wall_s": time.time() - t0, "log": str(log)}
-    files = sorted(stats.glob("odc_stats_rank*.json")) if stats.exists() else []
-    run["odc_stats"] = [json.loads(f.read_text()) for f in files]
-    return run
+    return dict(run, **read_odc_stats(stats))
 
 
 def _per_rank(counts, nproc: int) -> list:

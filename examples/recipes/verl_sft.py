@@ -35,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 
+from odc_stats import read_stats_dir, summed_counters  # beside this file
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 RESULT = "verl_sft_result.json"
@@ -200,9 +202,7 @@ def summarise(lines: list[dict], times: dict, stats: Path, a, **extra) -> dict:
            "microbatches_per_rank": [d.get("odc/microbatches") for d in data],
            "early_all_reduces_per_rank": [d.get("odc/early_all_reduces") for d in data],
            "peak_memory_gb": [d.get("perf/max_memory_allocated_gb") for d in data], **extra}
-    files = sorted(stats.glob("odc_stats_rank*.json")) if stats.exists() else []
-    out["odc_stats"] = [json.loads(f.read_text()) for f in files]
-    return out
+    return dict(out, **read_odc_stats(stats))
 
 
 # ---- the comparison
@@ -219,16 +219,11 @@ def _peak(run: dict) -> float:
     return max((x for x in run["peak_memory_gb"] if x is not None), default=0.0)
 
 
-def counters(run: dict) -> list[dict]:
-    """Per rank, the summed counters of its odc groups."""
-    out = []
-    for rank in run["odc_stats"]:
-        total: dict = {}
-        for g in rank.get("groups", []):
-            for k, v in g.get("stats", {}).items():
-                total[k] = total.get(k, 0) + v
-        out.append(total)
-    return out
+def read_odc_stats(folder: Path) -> dict:
+    """What ``ODC_STATS_DIR=folder`` left: ``odc_stats``, each rank's groups and their counters
+    (none when no odc group was made), and ``odc_counters_per_rank``, summed over its groups."""
+    stats = read_stats_dir(folder)
+    return {"odc_stats": stats, "odc_counters_per_rank": [summed_counters(rank) for rank in stats]}
 
 
 def compare(a) -> int:
@@ -271,7 +266,7 @@ def engine_checks(compared: dict, odc: dict, nproc: int, counts: list[list[int]]
     """The checks of a stock-vs-odc comparison (verl_sft.py, verl_actor_update.py): losses and
     gradient norms equal, odc carried the FSDP collectives in decoupled mode on every rank, and
     in some step the ranks ran different numbers of microbatches (``counts``: per step, per rank)."""
-    per_rank = counters(odc)
+    per_rank = odc["odc_counters_per_rank"]
     return {
         "losses equal": (compared["losses"]["equal"], str(compared["losses"])),
         "gradient norms equal": (compared["grad_norms"]["equal"], str(compared["grad_norms"])),

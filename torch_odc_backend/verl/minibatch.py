@@ -6,9 +6,10 @@ samples' lengths only, all compute the same plan from them
 (:func:`torch_odc_backend.balance.lb_mini` is deterministic), and each rank sends every other
 the samples of its own that the plan gives that rank (one all-to-all of the pickled samples:
 each sample travels once). With dynamic balancing a rank may end up training any sample, so
-every rank gathers every rank's samples (token ids and masks, small beside the model). The gradient is a sum over the minibatch's samples, and verl normalises
-each microbatch's loss by the minibatch's token count, so who trains which sample does not
-change the result beyond the order of summation.
+every rank gathers every rank's samples (token ids and masks, small beside the model). The
+gradient is a sum over the minibatch's samples, and verl normalises each microbatch's loss by
+the minibatch's token count, so who trains which sample does not change the result beyond the
+order of summation.
 """
 from __future__ import annotations
 
@@ -64,9 +65,12 @@ def gather_minibatch(data, group) -> tuple[list, list[int], list[int]]:
     return everyone, [len(x) for x in lengths], [n for part in lengths for n in part]
 
 
-def microbatch_of(everyone: list, counts: list[int], indices: list[int]):
-    """The microbatch (one TensorDict) of these samples, indices into the ranks' concatenation."""
-    parts = [tu.index_select_tensor_dict(everyone[owner], local)
+def microbatch_of(sources: list, counts: list[int], indices: list[int], positions: dict | None = None):
+    """The microbatch (one TensorDict) of these samples, indices into the ranks' concatenation
+    (``counts`` samples each). ``sources[r]`` holds rank r's samples: all of them, or with
+    ``positions[r]`` (local index -> row) the ones it sent here."""
+    parts = [tu.index_select_tensor_dict(sources[owner], local if positions is None
+                                         else [positions[owner][i] for i in local])
              for owner, local in split_by_owner(indices, counts)]
     return parts[0] if len(parts) == 1 else tu.concat_tensordict(parts)
 
@@ -81,29 +85,23 @@ def share_of_minibatch(data, *, max_tokens: int, cost: CostModel, group) -> list
     counts = [len(x) for x in lengths]
     plan = lb_mini([n for part in lengths for n in part], world, max_tokens, cost)
     local = data.cpu()
-    # to each rank, the samples of mine its microbatches hold, in the order they appear there
+    # to each rank, the samples of mine its microbatches hold (ascending local index)
     outgoing = []
     for rank in range(world):
-        mine = [i for owner, idx in _owned_in_order(plan[rank], counts) if owner == me for i in idx]
+        mine = _needed(plan[rank], counts).get(me)
         outgoing.append(tu.index_select_tensor_dict(local, mine) if mine else None)
     incoming = _all_to_all_objects(outgoing, group)
-    # where each sample of my microbatches arrived: (source rank, position in what it sent)
-    arrived, seen = {}, [0] * world
-    for owner, idx in _owned_in_order(plan[me], counts):
-        for i in idx:
-            arrived[(owner, i)] = seen[owner]
-            seen[owner] += 1
-    micro_batches = []
-    for indices in plan[me]:
-        parts = [tu.index_select_tensor_dict(incoming[owner], [arrived[(owner, i)] for i in idx])
-                 for owner, idx in split_by_owner(indices, counts)]
-        micro_batches.append(parts[0] if len(parts) == 1 else tu.concat_tensordict(parts))
-    return micro_batches
+    positions = {owner: {i: row for row, i in enumerate(idx)} for owner, idx in _needed(plan[me], counts).items()}
+    return [microbatch_of(incoming, counts, indices, positions) for indices in plan[me]]
 
 
-def _owned_in_order(microbatches: list[list[int]], counts: list[int]) -> list[tuple[int, list[int]]]:
-    """(owner, its local indices) of every microbatch in turn: the order samples travel in."""
-    return [pair for mb in microbatches for pair in split_by_owner(mb, counts)]
+def _needed(microbatches: list[list[int]], counts: list[int]) -> dict[int, list[int]]:
+    """Per owner rank, the local indices (ascending) of its samples in these microbatches."""
+    needed: dict[int, set[int]] = {}
+    for mb in microbatches:
+        for owner, idx in split_by_owner(mb, counts):
+            needed.setdefault(owner, set()).update(idx)
+    return {owner: sorted(idx) for owner, idx in needed.items()}
 
 
 def _all_to_all_objects(outgoing: list, group) -> list:

@@ -146,16 +146,22 @@ class PlatformCPU(PlatformBase):
         return None
 
 
+def register_verl_engines() -> None:
+    """verl's own FSDP engines (language model and value model) for the CPU platform."""
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
+
+
 def main() -> None:
     import hydra
     import torch.distributed as dist
     import verl.trainer.sft_trainer as sft
     from verl.utils.device import auto_set_device
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"],
-                            device="cpu")(FSDPEngineWithLMHead)
+    register_verl_engines()
 
     @hydra.main(config_path=os.path.join(os.path.dirname(sft.__file__), "config"),
                 config_name="sft_trainer_engine", version_base=None)

@@ -57,9 +57,8 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verl_sft import (GPU_ENV, SIZES, close, engine_checks, finish, launch, make_model,  # noqa: E402
-                      read_odc_stats,
-                      make_tokenizer, versions)
+from verl_sft import (GPU_ENV, SIZES, close, engine_checks, finish, launch, machine,  # noqa: E402
+                      make_model, make_tokenizer, read_odc_stats, run_all, versions)
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -373,10 +372,13 @@ def compare(a) -> int:
     work.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(work / "model")
     make_model(work / "model", a.size, tok)
-    runs = {name: run_engine(a, work, name) for name in a.engines.split(",")}
-    result = {"device": a.device, "nproc": a.nproc, "size": a.size, "role": a.role, "args": vars(a), "runs": runs,
-              "versions": versions()}
-    checks = {}
+    result = {"device": a.device, "nproc": a.nproc, "size": a.size, "role": a.role, "args": vars(a),
+              **machine(a.device), "versions": versions()}
+    result["runs"] = run_all(lambda n: run_engine(a, work, n), a.engines.split(","), work / RESULTS[a.role],
+                             result)
+    runs = {n: r for n, r in result["runs"].items() if "error" not in r}
+    bad = sorted(result["runs"].keys() - runs.keys())
+    checks = {"every run finished": (not bad, f"failed: {bad}" if bad else "all")}
     if {"stock", "odc"} <= runs.keys():
         stock, odc = runs["stock"], runs["odc"]
         own = ROLE_METRICS[a.role][0][0]  # the loss function's own loss metric (pg_losses, vf_losses)

@@ -235,11 +235,13 @@ def compare(a) -> int:
     names = a.engines.split(",")
     if a.straggler:  # every run again with the slow rank
         names += [f"{n}_straggler" for n in names]
-    runs = {name: run_engine(a, work, name) for name in names}
-    result = {"device": a.device, "nproc": a.nproc, "size": a.size, "args": vars(a),
+    result = {"device": a.device, "nproc": a.nproc, "size": a.size, "args": vars(a), **machine(a.device),
               "answer_words": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
-              "runs": runs, "versions": versions()}
-    checks: dict = {}
+              "versions": versions()}
+    result["runs"] = run_all(lambda n: run_engine(a, work, n), names, work / RESULT, result)
+    runs = {n: r for n, r in result["runs"].items() if "error" not in r}
+    bad = sorted(result["runs"].keys() - runs.keys())
+    checks: dict = {"every run finished": (not bad, f"failed: {bad}" if bad else "all")}
     if {"stock", "odc"} <= runs.keys():
         stock, odc = runs["stock"], runs["odc"]
         result["compare"] = {"losses": close(odc["losses"], stock["losses"], a.rtol),
@@ -258,7 +260,10 @@ def compare(a) -> int:
                     result["summary"]["peak_memory_ratio" + suffix + tag] = (
                         _peak(o_run) / _peak(s_run) if _peak(s_run) else None)
         counts = [[x[0] if isinstance(x, list) else x for x in step] for step in odc["microbatches_per_rank"] if step]
-        checks = engine_checks(result["compare"], odc, a.nproc, counts)
+        checks.update(engine_checks(result["compare"], odc, a.nproc, counts))
+        if "losses_straggler" in result["compare"]:
+            checks["losses equal with the straggler"] = (result["compare"]["losses_straggler"]["equal"],
+                                                         str(result["compare"]["losses_straggler"]))
     return finish(work / RESULT, result, checks, runs)
 
 
@@ -277,6 +282,42 @@ def engine_checks(compared: dict, odc: dict, nproc: int, counts: list[list[int]]
         "ranks ran their own microbatch counts": (
             any(len(set(step)) > 1 for step in counts), f"microbatches per rank per step: {counts}"),
     }
+
+
+def run_all(run, names: list[str], path: Path, result: dict) -> dict:
+    """``run(name)`` for every engine in turn; a run that fails is recorded with its error and the next one
+    still runs. What has run so far is written to ``path`` after each run (``"partial": true``),
+    so a comparison cut short still leaves its finished runs."""
+    runs: dict = {}
+    for name in names:
+        try:
+            runs[name] = run(name)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            runs[name] = {"error": str(e)[-3000:]}
+            print(f"{name}: failed: {str(e)[-500:]}", file=sys.stderr)
+        path.write_text(json.dumps(dict(result, runs=runs, partial=True), indent=1))
+    return runs
+
+
+def machine(device: str) -> dict:
+    """Where and from what the comparison ran: GPU name and count, date, the project's commit
+    (``ODC_COMMIT`` where the tree has no .git)."""
+    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": os.environ.get("ODC_COMMIT")}
+    if not out["commit"]:
+        try:
+            out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                           text=True, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            out["commit"] = None
+    if device == "cuda":  # from nvidia-smi: a CUDA context here would take memory on the first GPU
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30).stdout.split("\n")
+            names = [n.strip() for n in names if n.strip()]
+            out["gpu"], out["gpus"] = (names[0] if names else None), len(names)
+        except (OSError, subprocess.SubprocessError):
+            out["gpu"] = out["gpus"] = None
+    return out
 
 
 def finish(path: Path, result: dict, checks: dict, runs: dict) -> int:

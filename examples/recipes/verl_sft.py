@@ -371,8 +371,36 @@ def main(argv=None) -> int:
     c.add_argument("--straggler", default=None, help="RANK:FACTOR, e.g. 3:1.3")
     c.add_argument("--entry", default=None, help="a torchrun entry point instead of verl's module (CPU)")
     c.add_argument("--timeout", type=float, default=1800)
+    g = sub.add_parser("plot", help="draw a result (this recipe's or verl_actor_update.py's) as a PNG beside it")
+    g.add_argument("result")
     a = p.parse_args(argv)
-    return compare(a)
+    return plot(Path(a.result)) if a.cmd == "plot" else compare(a)
+
+
+def plot(path: Path) -> int:
+    """Tokens/s of each run and its losses per step, in ``path`` with the suffix .png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(path.read_text())
+    runs = {n: r for n, r in result["runs"].items() if "error" not in r}
+    fig, (speed, loss) = plt.subplots(1, 2, figsize=(11, 4))
+    speed.barh(list(runs), [r["tokens_per_s"] or 0 for r in runs.values()], color="tab:blue")
+    speed.set_xlabel("tokens/s (timed steps)")
+    for name, run in runs.items():
+        loss.plot(range(1, len(run["losses"]) + 1), run["losses"], marker=".", label=name)
+    loss.set_xlabel("step")
+    loss.set_ylabel("loss")
+    loss.legend()
+    where = f"{result.get('gpus') or result['nproc']} x {result.get('gpu') or result['device']}"
+    fig.suptitle(f"{path.stem}: {where}, {result['size']}, commit {str(result.get('commit'))[:10]}, "
+                 f"{str(result.get('date'))[:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=60)
+    print(f"wrote {path.with_suffix('.png')}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ engine: on CPU, pass ``--entry tests/integrations/verl_cpu_shim/sft_cpu.py``
 (it registers a CPU platform and verl's own engine for it, then runs verl's trainer).
 ``--straggler RANK:FACTOR`` runs every engine a second time (``<engine>_straggler``) with rank
 RANK about FACTOR times slower (examples/recipes/verl_straggler.py, loaded through
-``VERL_USE_EXTERNAL_MODULES``).
+``VERL_USE_EXTERNAL_MODULES``): its GPU, or with ``RANK:FACTOR:host`` its host (where verl's
+steps wait on the host, as without flash-attn).
 """
 from __future__ import annotations
 
@@ -368,7 +369,9 @@ def main(argv=None) -> int:
     c.add_argument("--lr", type=float, default=1e-3)
     c.add_argument("--seed", type=int, default=1)
     c.add_argument("--rtol", type=float, default=1e-5)
-    c.add_argument("--straggler", default=None, help="RANK:FACTOR, e.g. 3:1.3")
+    c.add_argument("--straggler", default=None,
+                   help="RANK:FACTOR (e.g. 3:1.3: that rank's decoder layers' GPU time) or RANK:FACTOR:host "
+                        "(its host: for steps bound by the host)")
     c.add_argument("--entry", default=None, help="a torchrun entry point instead of verl's module (CPU)")
     c.add_argument("--timeout", type=float, default=1800)
     g = sub.add_parser("plot", help="draw a result (this recipe's or verl_actor_update.py's) as a PNG beside it")

@@ -8,12 +8,23 @@ for two forwards' work, and the layers' share of the step grows by FACTOR. It is
 ``torch.cuda._sleep`` kernel on the compute stream whose length comes from the previous call's
 CUDA events (a running average of the layers' time per token), so the host never waits for
 the GPU. PyTorch's public global forward hooks attach it.
+
+``RANK:FACTOR:host`` slows the rank's host instead, for steps bound by the host (verl's
+per-token log-probability loop where flash-attn is missing keeps the GPU waiting for launches,
+so a longer GPU kernel there costs nothing): before each microbatch's forward of the model
+(the module whose class name ends in ``ForCausalLM`` or ``ForTokenClassification``) and before
+each optimizer step, the host sleeps (FACTOR - 1) times the wall time since the previous such
+point of the same step, so every microbatch, its log-probabilities and its backward included,
+takes about FACTOR times as long. PyTorch's public global forward and optimizer pre-hooks
+attach it.
 """
 from __future__ import annotations
 
 import os
+import time
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _SPEC = os.environ.get("ODC_RECIPE_STRAGGLER", "")
 
@@ -65,6 +76,38 @@ def _install(rank: int, factor: float) -> None:
     torch.nn.modules.module.register_module_forward_hook(after)
 
 
+def _install_host(rank: int, factor: float) -> None:
+    if factor <= 1.0:
+        raise ValueError(f"ODC_RECIPE_STRAGGLER factor must be > 1, got {factor}")
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    since = {"t": None}  # the previous microbatch's start in this step (None: the step's first is next)
+
+    def pay() -> None:  # the work since the previous point, once more times (FACTOR - 1)
+        if since["t"] is not None:
+            time.sleep((factor - 1.0) * (time.perf_counter() - since["t"]))
+
+    def before_forward(module, args):
+        if type(module).__name__.endswith(("ForCausalLM", "ForTokenClassification")):
+            pay()
+            since["t"] = time.perf_counter()
+
+    def before_step(optimizer, args, kwargs):
+        pay()
+        since["t"] = None
+
+    torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+    register_optimizer_step_pre_hook(before_step)
+
+
+def parse(spec: str) -> tuple[int, float, str]:
+    """``RANK:FACTOR`` (the GPU) or ``RANK:FACTOR:host``: (rank, factor, "gpu" or "host")."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("gpu", "host")):
+        raise ValueError(f"ODC_RECIPE_STRAGGLER={spec!r}: expected RANK:FACTOR or RANK:FACTOR:host")
+    return int(parts[0]), float(parts[1]), parts[2] if len(parts) == 3 else "gpu"
+
+
 if _SPEC:
-    _rank, _factor = _SPEC.split(":")
-    _install(int(_rank), float(_factor))
+    _rank, _factor, _where = parse(_SPEC)
+    (_install_host if _where == "host" else _install)(_rank, _factor)

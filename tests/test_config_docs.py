@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "configuration.md").read_text()
 PROCESS_WIDE = {"ODC_DEFAULT_BACKEND", "ODC_ALLOW_LAZY_LOADING", "ODC_STATS_DIR", "ODC_VERL_ROLES",
-                "ODC_VERL_BALANCE"}
+                "ODC_VERL_BALANCE", "ODC_FSDP_REGISTERED_MEMORY"}
 
 
 def _section(title: str) -> str:

@@ -49,3 +49,32 @@ def test_group_policy_reads_fsdp2_state():
         # dim-0 shards padded to ceil(rows / world): qkv (108 x 36) -> 54 rows, fc1 (100 x 36) -> 50
         assert r["padded"][1] == (54, 36) and r["padded"][5] == (50, 36), r
         assert r["empty"] is None, r
+
+
+def _comms_worker(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torch_odc_backend.config import OdcBackend
+
+    ranks = list(range(world))
+    odc_mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    gloo_mesh = DeviceMesh.from_group(dist.new_group(ranks, backend="gloo"), "cpu")
+    on_odc, on_gloo = fm.build(odc_mesh)[0], fm.build(gloo_mesh)[0]
+    empty = torch.nn.Module()
+    fully_shard(empty, mesh=odc_mesh)
+    out = {"odc": _fsdp_adapter.default_comms_on(on_odc.blocks[0], OdcBackend),
+           "gloo": _fsdp_adapter.default_comms_on(on_gloo.blocks[0], OdcBackend),
+           "no_params": _fsdp_adapter.default_comms_on(empty, OdcBackend)}
+    on_odc.blocks[0].set_allocate_memory_from_process_group_for_comm(True)
+    out["not_default"] = _fsdp_adapter.default_comms_on(on_odc.blocks[0], OdcBackend)
+    return out
+
+
+def test_default_comms_on_tells_the_groups_backend():
+    """ODC_FSDP_REGISTERED_MEMORY's test of a module: FSDP2's default communication on an odc
+    group; not on another backend, not without parameters, not once the comms were replaced."""
+    res = run_distributed(_comms_worker, 2, backend="cpu:odc", deadline_s=120)
+    for rank, r in res.items():
+        assert r == {"odc": True, "gloo": False, "no_params": False, "not_default": False}, (rank, r)

@@ -266,33 +266,41 @@ def _fsdp_worker(rank, world, kind, registered):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from torch_odc_backend import registered as reg
+
     dev = _device(kind)
     torch.use_deterministic_algorithms(True, warn_only=True)  # only the collectives may differ
     mesh = init_device_mesh(kind, (world,))
     with sdpa_kernel(SDPBackend.MATH):
-        out = fm.train(mesh, registered=registered, steps=3, device=dev)
+        out = fm.train(mesh, registered=registered == "call", steps=3, device=dev)
     if kind == "cuda":
         torch.cuda.synchronize()
-    return fm.to_wire({"run": out, "stats": _stats(dev)})
+    return fm.to_wire({"run": out, "stats": _stats(dev), "still_watching": bool(reg._WATCH)})
 
 
 @pytest.mark.parametrize("kind", ["cpu", cuda_case("cuda", id="cuda")])
 def test_fsdp2_with_registered_memory_trains_as_without(kind):
-    """FSDP2 with torch_odc_backend.use_registered_memory: the staged path's training (bitwise on
-    CPU; on CUDA within the FSDP2 tests' tolerance), and its collectives went zero-copy."""
+    """FSDP2 with torch_odc_backend.use_registered_memory, and with ODC_FSDP_REGISTERED_MEMORY=1
+    and no call: the staged path's training (bitwise on CPU; on CUDA within the FSDP2 tests'
+    tolerance), and its collectives went zero-copy."""
     env = dict(_env(kind), CUBLAS_WORKSPACE_CONFIG=":4096:8")
-    runs = {reg: run_distributed(_fsdp_worker, 2, kind, reg, backend=_backend(kind), env=env,
+    runs = {how: run_distributed(_fsdp_worker, 2, kind, how, backend=_backend(kind),
+                                 env=dict(env, ODC_FSDP_REGISTERED_MEMORY="1" if how == "env" else "0"),
                                  timeout_s=TIMEOUT_S, deadline_s=240)
-            for reg in (False, True)}
+            for how in ("staged", "call", "env")}
     tol = dict(rtol=0, atol=0) if kind == "cpu" else dict(rtol=1e-5, atol=1e-6)
     for rank in range(2):
-        fm.assert_runs_close(runs[True][rank]["run"], runs[False][rank]["run"], **tol,
-                             what=f"rank {rank} registered vs staged")
-        stats = runs[True][rank]["stats"]
-        # FSDP2's own all-gathers and reduce-scatters (every reduce-scatter is one) went zero-copy;
-        # DTensor's all-gathers of the results (full_tensor) took the staged path
-        assert stats.get("registered_ops", 0) > stats["reduce_scatter_ops"] > 0, stats
-        assert "registered_ops" not in runs[False][rank]["stats"]
+        assert "registered_ops" not in runs["staged"][rank]["stats"]
+        for how in ("call", "env"):
+            fm.assert_runs_close(runs[how][rank]["run"], runs["staged"][rank]["run"], **tol,
+                                 what=f"rank {rank} registered ({how}) vs staged")
+            stats = runs[how][rank]["stats"]
+            # FSDP2's own all-gathers and reduce-scatters (every reduce-scatter is one) went
+            # zero-copy; DTensor's all-gathers of the results (full_tensor) took the staged path
+            assert stats.get("registered_ops", 0) > stats["reduce_scatter_ops"] > 0, (how, stats)
+        assert runs["env"][rank]["stats"] == runs["call"][rank]["stats"]
+        # the watch for new FSDP2 modules ended at the first optimizer step
+        assert not runs["env"][rank]["still_watching"]
 
 
 def test_use_registered_memory_needs_fsdp_modules():

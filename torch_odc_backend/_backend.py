@@ -111,7 +111,12 @@ def create_backend(opts, pg_options):
         # peers routed over NVSHMEM (ODC_TRANSPORT / ODC_HOST_SIZE): bring NVSHMEM up now,
         # world-collectively, with the unique id through this group's store
         nvshmem.init_from_backend(opts.store, opts.group_rank, opts.group_size, options)
-    return _new_backend(opts.store, opts.group_rank, opts.group_size, options)
+    backend = _new_backend(opts.store, opts.group_rank, opts.group_size, options)
+    if config.fsdp_registered_memory():
+        from .registered import watch_fsdp_modules
+
+        watch_fsdp_modules()
+    return backend
 
 
 def backend_stats(group=None, device: str = "cpu") -> dict[str, int]:

@@ -1,5 +1,6 @@
 """The one place that reads FSDP2 private state (decoupled mode needs the mixed-precision
-policy and the gradient divide factor, which FSDP2 exposes no getter for).
+policy and the gradient divide factor, which FSDP2 exposes no getter for;
+``ODC_FSDP_REGISTERED_MEMORY`` needs the process groups a module communicates on).
 
 Checked against torch 2.11 and 2.13 (tests/test_decoupled.py exercises it); other
 versions are refused with a message rather than read blindly.
@@ -57,3 +58,19 @@ def group_policy(module) -> GroupPolicy | None:
                        force_sum_reduction=bool(getattr(g, "force_sum_reduction_for_comms", False)),
                        params=tuple(fp.sharded_param for fp in g.fsdp_params),
                        padded_shard_sizes=tuple(fp.padded_sharded_param_size for fp in g.fsdp_params))
+
+
+def default_comms_on(module, backend_type: type) -> bool:
+    """Whether ``module`` has FSDP parameter groups and each all-gathers and reduce-scatters
+    on a process group whose backend for its device is a ``backend_type``, with FSDP2's default
+    communication (no custom all-gather / reduce-scatter, no symmetric memory)."""
+    _check_version()
+    groups = _param_groups(module)
+    for g in groups:
+        if (type(g._all_gather_comm).__name__ != "DefaultAllGather"
+                or type(g._reduce_scatter_comm).__name__ != "DefaultReduceScatter"):
+            return False
+        for pg in (g._all_gather_process_group, g._reduce_scatter_process_group):
+            if not isinstance(pg._get_backend(g.device), backend_type):
+                return False
+    return bool(groups)

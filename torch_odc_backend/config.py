@@ -129,7 +129,16 @@ def knobs() -> OdcBackend.Options:
     return options_from_env()
 
 
-# ---- process-wide knobs of the integrations (not backend options)
+# ---- process-wide knobs (not backend options)
+
+def fsdp_registered_memory() -> bool:
+    """ODC_FSDP_REGISTERED_MEMORY: ``1`` makes every FSDP2 module whose collectives run on odc
+    take its all-gather and reduce-scatter buffers from registered memory (zero-copy), as
+    ``use_registered_memory(model)`` does, with no call from the trainer; ``0`` (default) leaves
+    that to the call. Read as each odc group is made."""
+    raw = os.environ.get("ODC_FSDP_REGISTERED_MEMORY", "").strip()
+    return _flag("ODC_FSDP_REGISTERED_MEMORY", raw) if raw else False
+
 
 VERL_ROLES = ("actor", "critic", "reference")
 

@@ -10,12 +10,17 @@ The ranks must allocate the same sizes in the same order (FSDP2 does): each peer
 is found at the same place of that peer's pool, and the collectives check that it is.
 ``ODC_POOL_BYTES`` sizes the pool (docs/configuration.md); a full pool hands out ordinary
 memory, and those collectives take the staged path.
+
+``ODC_FSDP_REGISTERED_MEMORY=1`` does what ``use_registered_memory`` does for every FSDP2
+module whose collectives run on odc, with no call from the trainer (``watch_fsdp_modules``).
 """
 from __future__ import annotations
 
 import torch
 
 __all__ = ["use_registered_memory"]
+
+_WATCH: dict = {}  # ODC_FSDP_REGISTERED_MEMORY=1: PyTorch's global hooks, while they watch
 
 
 def use_registered_memory(model: torch.nn.Module, enable: bool = True) -> int:
@@ -34,3 +39,39 @@ def use_registered_memory(model: torch.nn.Module, enable: bool = True) -> int:
         raise ValueError("use_registered_memory: the model has no FSDP2 module; call "
                          "torch.distributed.fsdp.fully_shard on it (and its blocks) first")
     return n
+
+
+def watch_fsdp_modules() -> None:
+    """``ODC_FSDP_REGISTERED_MEMORY=1`` (called as an odc group is made): at its first forward,
+    before FSDP2 allocates anything for it, every FSDP2 module whose all-gathers and
+    reduce-scatters run on odc with FSDP2's default communication takes its buffers from
+    registered memory, as after ``use_registered_memory``. PyTorch's public global forward
+    pre-hook finds the modules; it and the optimizer-step hook that removes it go at the first
+    optimizer step, so later forwards pay nothing (a model first run after that keeps the
+    staged path unless ``use_registered_memory`` is called). Idempotent."""
+    if _WATCH:
+        return
+    from torch.distributed.fsdp import FSDPModule
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from . import _fsdp_adapter
+    from .config import OdcBackend
+
+    seen: set[int] = set()
+
+    def before_forward(module, args):
+        if not isinstance(module, FSDPModule) or id(module) in seen:
+            return
+        for m in module.modules():
+            if isinstance(m, FSDPModule) and id(m) not in seen:
+                seen.add(id(m))
+                if _fsdp_adapter.default_comms_on(m, OdcBackend):
+                    m.set_allocate_memory_from_process_group_for_comm(True)
+
+    def after_step(optimizer, args, kwargs):
+        for handle in _WATCH.values():
+            handle.remove()
+        _WATCH.clear()
+
+    _WATCH["forward"] = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+    _WATCH["step"] = register_optimizer_step_post_hook(after_step)

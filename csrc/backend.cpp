@@ -248,6 +248,11 @@ uint64_t OdcBackend::issue_path(Channel& ch, const Path& path, bool ag, const at
   const int world = getSize();
   if (path.way == Path::Way::Staged) {
     // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
+    if (ag && options_->staged_ag_push) {  // a kind of its own: ranks that chose otherwise fail at once
+      ch.protocol->all_gather_put(out.data_ptr(), in.data_ptr(), per_rank, seq,
+                                  desc(OpKind::AllGatherPut, in, per_rank));
+      return per_rank * world;
+    }
     const uint64_t d = desc(ag ? OpKind::AllGather : OpKind::ReduceScatter, in, per_rank, red_op, !ag);
     if (ag) {
       ch.protocol->all_gather(out.data_ptr(), in.data_ptr(), per_rank, seq, d);

@@ -53,6 +53,7 @@ const char* kind_name(OpKind kind) {
     case OpKind::AllGatherRegistered: return "all_gather (registered memory)";
     case OpKind::ReduceScatterRegistered: return "reduce_scatter (registered memory)";
     case OpKind::AllGatherRegisteredPush: return "all_gather (registered memory, pushed)";
+    case OpKind::AllGatherPut: return "all_gather (pushed into landing rings)";
   }
   return "unknown collective";
 }

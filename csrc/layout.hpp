@@ -25,7 +25,7 @@ size_t dtype_size(DType d);
 // rank that runs one while a peer runs the staged form is another collective to the peer.
 enum class OpKind : int {
   AllGather = 1, ReduceScatter, AllReduce, Broadcast, AllToAll, Scatter, Gather,
-  AllGatherRegistered, ReduceScatterRegistered, AllGatherRegisteredPush
+  AllGatherRegistered, ReduceScatterRegistered, AllGatherRegisteredPush, AllGatherPut
 };
 const char* kind_name(OpKind kind);  // "all_gather", "all_gather (registered memory)"
 uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes, int red_op, int root = 0);

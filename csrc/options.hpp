@@ -75,6 +75,10 @@ struct Options final : c10d::Backend::Options {
   bool pushes_all_gathers(int ranks, bool own_gpus) const {
     return ag_push == 1 || (ag_push < 0 && ranks >= 3 && own_gpus);
   }
+  // ODC_STAGED_AG_PUSH: all-gathers on the staged path put each chunk into the peers'
+  // landing rings (Protocol::all_gather_put) instead of letting them get it from this rank's
+  // all-gather ring
+  bool staged_ag_push = false;
   TransportKind transport = TransportKind::Auto;  // ODC_TRANSPORT
   int host_size = 0;  // ODC_HOST_SIZE: global ranks per host (g, h on one iff g / n == h / n)
   bool match_check = true;  // ODC_MATCH_CHECK: peers check each collective's descriptor

@@ -209,8 +209,10 @@ def _sweep_worker(rank, world, seed):
 
 @pytest.mark.parametrize(
     "world,env",
-    [(2, SMALL_RING), (3, {"ODC_CHUNK_BYTES": "8192", "ODC_RING_SLOTS": "3"}), (4, SMALL_RING), (2, {})],
-    ids=["w2-chunk4k-slots2", "w3-chunk8k-slots3", "w4-chunk4k-slots2", "w2-default-env"],
+    [(2, SMALL_RING), (3, {"ODC_CHUNK_BYTES": "8192", "ODC_RING_SLOTS": "3"}), (4, SMALL_RING), (2, {}),
+     (3, {**SMALL_RING, "ODC_STAGED_AG_PUSH": "1"})],
+    ids=["w2-chunk4k-slots2", "w3-chunk8k-slots3", "w4-chunk4k-slots2", "w2-default-env",
+         "w3-chunk4k-slots2-staged-ag-push"],
 )
 def test_random_sweep(world, env):
     seed = 1000 + 10 * world + len(env)
@@ -431,8 +433,10 @@ def _compare_worker(rank, world):
 
 
 @gpu_test()
-@pytest.mark.parametrize("env", [{}, SMALL_GPU_RING, {"ODC_SMALL_OP_BYTES": "0"}, {"ODC_STREAM_MEMOPS": "1"}],
-                         ids=["default-env", "chunk256k-slots2", "no-fused-kernel", "stream-memops"])
+@pytest.mark.parametrize("env", [{}, SMALL_GPU_RING, {"ODC_SMALL_OP_BYTES": "0"}, {"ODC_STREAM_MEMOPS": "1"},
+                                 {"ODC_STAGED_AG_PUSH": "1"}],
+                         ids=["default-env", "chunk256k-slots2", "no-fused-kernel", "stream-memops",
+                              "staged-ag-push"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_reference_and_nccl(world, env):
     """Every case against its float64 / bitwise reference, and against NCCL's result where

@@ -74,7 +74,10 @@ def _different_ops(rank_calls_rs):
 # Different collectives at the same point (rank ODD reduce-scatters while the others
 # all-gather): each side waits for data the other never sends, so only the peers'
 # announcements of what they called can tell, long before the group's timeout.
-DIFFERENT = {"ag_vs_rs": (_different_ops(False), _different_ops(True))}
+DIFFERENT = {"ag_vs_rs": (_different_ops(False), _different_ops(True)),
+             # rank ODD's group puts its all-gathers into the landing rings, the others' get them
+             "ag_pushed_vs_got": (_ag(8, F32), _ag(8, F32))}
+ODD_ENV = {"ag_pushed_vs_got": {"ODC_STAGED_AG_PUSH": "1"}}  # rank ODD's, when its group is made
 
 
 def _sync(dev):
@@ -88,7 +91,11 @@ def run_cases(rank, world, dev):
     out = {}
     cases = {**{k: v[:2] for k, v in CASES.items()}, **DIFFERENT}
     for name, (agreed, odd) in cases.items():
+        env = ODD_ENV.get(name, {}) if rank == ODD else {}
+        os.environ.update(env)
         g = dist.new_group(list(range(world)))
+        for k in env:
+            os.environ.pop(k)
         t0 = time.monotonic()
         try:
             (odd if rank == ODD else agreed)(g, dev)
@@ -154,21 +161,29 @@ def assert_reported(res, case):
         assert r["after"] is not None and "different collective" in r["after"], (rank, r["after"])
 
 
-def assert_different_collectives_reported(res, case="ag_vs_rs"):
-    """Every rank fails within a fraction of the timeout, naming both collectives."""
+def assert_different_collectives_reported(res, case="ag_vs_rs", names=("all_gather", "reduce_scatter")):
+    """Every rank fails within a fraction of the timeout, naming both collectives (``names``:
+    patterns its message holds)."""
     for rank in range(WORLD):
         r = res[rank][case]
         assert r["error"] is not None, f"rank {rank}: {case} completed without an error"
         assert r["type"] == "DistBackendError", (rank, r["type"], r["error"])
         msg = r["error"]
         assert "issued a different collective" in msg, f"rank {rank}: {msg}"
-        assert "all_gather" in msg and "reduce_scatter" in msg, f"rank {rank}: {msg}"
+        assert all(re.search(n, msg) for n in names), f"rank {rank}: {msg}"
         assert r["elapsed"] < TIMEOUT_S / 3, f"rank {rank}: took {r['elapsed']:.1f}s (a timeout?)"
         assert r["after"] is not None and "different collective" in r["after"], (rank, r["after"])
 
 
 def test_different_collectives_fail_at_once_naming_both(run):
     assert_different_collectives_reported(run())
+
+
+def test_staged_all_gathers_pushed_and_got_fail_at_once(run):
+    """ODC_STAGED_AG_PUSH differing between ranks: two kinds of all-gather, named."""
+    assert_different_collectives_reported(run(), "ag_pushed_vs_got",
+                                          (r"called all_gather \(pushed into landing rings\)",
+                                           r"called all_gather[,.]"))
 
 
 def assert_others_fine(res):

@@ -83,6 +83,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("ODC_AG_PUSH", _choice({"auto": -1, "1": 1, "0": 0}, "auto, 1 or 0"), "ag_push",
          "zero-copy all-gathers write each rank's shard into its peers' outputs (1) or read the "
          "peers' shards (0); auto: push where every rank has a GPU of its own on one host"),
+    Knob("ODC_STAGED_AG_PUSH", _flag, "staged_ag_push",
+         "all-gathers on the staged path put each chunk into the peers' landing rings (1) instead "
+         "of the peers getting it from this rank's ring (0)"),
     Knob("ODC_TRANSPORT", _choice({"auto": TransportKind.AUTO, "nvshmem": TransportKind.NVSHMEM,
                                    "ipc": TransportKind.CUDA_IPC}, "auto, ipc or nvshmem"),
          "transport", "CUDA peers over auto (other hosts: NVSHMEM where built, else the inner NCCL "

@@ -187,6 +187,9 @@ def parse_args(argv=None):
                         "allocate_tensor, zero-copy) and, against NCCL, NCCL with its own "
                         "(nccl_registered); the summary's per-size keys then describe odc_registered "
                         "and busbw_ratio_odc_registered_vs_nccl_registered compares the two")
+    p.add_argument("--staged-push", action="store_true",
+                   help="also measure an odc group whose staged all-gathers push into the peers' landing "
+                        "rings (odc_staged_push: ODC_STAGED_AG_PUSH=1; busbw_ratio_odc_staged_push_vs_<ref>)")
     p.add_argument("--odc-nvshmem", action="store_true",
                    help="also measure an odc group whose peers all go through NVSHMEM (odc_nvshmem; "
                         "needs an ODC_WITH_NVSHMEM=1 build)")

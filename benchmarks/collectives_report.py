@@ -252,8 +252,12 @@ def plot_results(json_path: str | os.PathLike, png_path: str | os.PathLike | Non
     rows = [r for r in data.get("rows", []) if r.get("op") in OPS and r.get("busbw_GBps") is not None]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     styles = {"odc": dict(color="tab:red", marker="o"), "odc_nvshmem": dict(color="tab:green", marker="^"),
-              ref: dict(color="tab:blue", marker="s"), "floor": dict(color="black", linestyle="--", marker=".")}
-    backends = [b for b in ("odc", "odc_nvshmem", ref, "floor") if any(r["backend"] == b for r in rows)]
+              "odc_staged_push": dict(color="tab:orange", marker="v"),
+              "odc_registered": dict(color="tab:purple", marker="D"),
+              ref: dict(color="tab:blue", marker="s"), "nccl_registered": dict(color="tab:cyan", marker="x"),
+              "floor": dict(color="black", linestyle="--", marker=".")}
+    backends = [b for b in ("odc", "odc_staged_push", "odc_registered", "odc_nvshmem", ref, "nccl_registered",
+                            "floor") if any(r["backend"] == b for r in rows)]
     all_sizes = sorted({r["size_bytes"] for r in rows})
     for ax, op in zip(axes, OPS):
         for backend in backends:

@@ -67,7 +67,8 @@ def create_context(args) -> BenchContext:
     nvshmem = _init_nvshmem(args, world)
     ref_pg = _reference_group(dist, ref, cuda, timeout)
     groups = _compared_groups(dist, args, ref, ref_pg, use_odc, device, timeout)
-    order = [b for b in ("odc", "odc_registered", "odc_nvshmem", ref, "nccl_registered") if b in groups]
+    order = [b for b in ("odc", "odc_staged_push", "odc_registered", "odc_nvshmem", ref, "nccl_registered")
+             if b in groups]
     ctx = BenchContext(
         args=args, torch=torch, dist=dist, cuda=cuda, device=device, rank=rank, world=world,
         ref=ref, ref_pg=ref_pg, groups=groups, order=order,
@@ -131,6 +132,10 @@ def _compared_groups(dist, args, ref: str, ref_pg, use_odc: bool, device, timeou
         # this group's peers all go through NVSHMEM, the default group's stay peer-to-peer
         groups["odc_nvshmem"] = _with_env("ODC_TRANSPORT", "nvshmem", lambda: dist.new_group(
             backend="cpu:gloo,cuda:odc", timeout=timeout))
+    if use_odc and args.staged_push:  # staged all-gathers pushed into the peers' landing rings
+        groups["odc_staged_push"] = _with_env("ODC_STAGED_AG_PUSH", "1", lambda: dist.new_group(
+            backend="cpu:gloo,cuda:odc" if device.type == "cuda" else "cpu:odc",
+            timeout=timeout))
     if use_odc and args.registered:  # the odc group again, its buffers from allocate_tensor
         groups["odc_registered"] = dist.group.WORLD
     if args.registered and ref == "nccl":
@@ -166,6 +171,8 @@ def _process_group_notes(ctx: BenchContext, odc_default_pg: str | None) -> dict:
                    else f"new_group(backend={ref!r})")}
     if "odc_nvshmem" in ctx.groups:
         notes["odc_nvshmem"] = "new_group(backend='cpu:gloo,cuda:odc') created under ODC_TRANSPORT=nvshmem"
+    if "odc_staged_push" in ctx.groups:
+        notes["odc_staged_push"] = "new_group(backend=odc) created under ODC_STAGED_AG_PUSH=1"
     if "odc_registered" in ctx.groups:
         notes["odc_registered"] = ("the odc group, its buffers from its backend's "
                                    "allocate_tensor (registered memory: zero-copy)")

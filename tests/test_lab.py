@@ -103,7 +103,7 @@ def test_collectives_cpu_floor_and_summary(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(REPO / "benchmarks" / "collectives.py"), "--device", "cpu", "--sizes", "64K",
-         "--trials", "2", "--warmup", "1", "--registered", "--out-dir", str(tmp_path)],
+         "--trials", "2", "--warmup", "1", "--registered", "--staged-push", "--out-dir", str(tmp_path)],
         cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     (path,) = tmp_path.glob("collectives_cpu-x2_*.json")
@@ -117,7 +117,8 @@ def test_collectives_cpu_floor_and_summary(tmp_path):
     assert s["ratio_to_floor"]["all_gather"]["64KiB"] == pytest.approx(
         s["latency_us"]["all_gather"]["64KiB"] / s["floor_us"]["all_gather"]["64KiB"])
     assert {r["backend"] for r in doc["rows"] if r["op"] == "reduce_scatter"} >= {
-        "odc", "odc_registered", "floor", "floor_ce", "floor_sm"}
+        "odc", "odc_staged_push", "odc_registered", "floor", "floor_ce", "floor_sm"}
+    assert set(s["busbw_ratio_odc_staged_push_vs_gloo"]["all_gather"]) == {"64KiB"}
     # the per-size keys describe the zero-copy path; the staged path's beside them
     assert s["odc_path"] == "registered (zero-copy)"
     assert set(s["odc_staged"]["ratio_to_floor"]["all_gather"]) == {"64KiB"}

@@ -229,6 +229,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
                 [&](Channel& ch, void* stream, uint64_t seq) {
     uint64_t bytes = 0;
     ch.transport->begin_op(stream, ag ? Transport::kAgRing : Transport::kRsRing);
+    if (ag && options_->staged_ag_push) ch.transport->also_on(Transport::kRsRing);  // its landing rings
     for (size_t i = 0; i < inputs.size(); ++i) {
       const size_t per_rank = (ag ? inputs[i] : outputs[i]).numel() * inputs[i].element_size();
       const Path path = path_of(ch, ag, inputs[i], outputs[i], per_rank);
@@ -248,9 +249,17 @@ uint64_t OdcBackend::issue_path(Channel& ch, const Path& path, bool ag, const at
   const int world = getSize();
   if (path.way == Path::Way::Staged) {
     // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
-    if (ag && options_->staged_ag_push) {  // a kind of its own: ranks that chose otherwise fail at once
-      ch.protocol->all_gather_put(out.data_ptr(), in.data_ptr(), per_rank, seq,
-                                  desc(OpKind::AllGatherPut, in, per_rank));
+    if (ag && options_->staged_ag_push) {
+      // Pushed through the landing rings: an exchange whose every pair carries this rank's
+      // shard, of a kind of its own (ranks that chose otherwise fail at once).
+      const int me = getRank();
+      const bool in_place = in.data_ptr() == static_cast<char*>(out.data_ptr()) + me * per_rank;
+      Protocol::Exchange x{std::vector<size_t>(world, per_rank), std::vector<size_t>(world, 0),
+                           std::vector<size_t>(world, per_rank), {}, OpKind::AllGatherPut,
+                           static_cast<int>(in.scalar_type()), 0, options_->match_check, true};
+      for (int p = 0; p < world; ++p) x.recv_off.push_back(p * per_rank);
+      if (in_place) x.send[me] = x.recv[me] = 0;  // nothing to copy to itself
+      ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
       return per_rank * world;
     }
     const uint64_t d = desc(ag ? OpKind::AllGather : OpKind::ReduceScatter, in, per_rank, red_op, !ag);

@@ -76,7 +76,7 @@ struct Options final : c10d::Backend::Options {
     return ag_push == 1 || (ag_push < 0 && ranks >= 3 && own_gpus);
   }
   // ODC_STAGED_AG_PUSH: all-gathers on the staged path put each chunk into the peers'
-  // landing rings (Protocol::all_gather_put) instead of letting them get it from this rank's
+  // landing rings (an exchange) instead of letting them get it from this rank's
   // all-gather ring
   bool staged_ag_push = false;
   TransportKind transport = TransportKind::Auto;  // ODC_TRANSPORT

@@ -124,43 +124,6 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
   if (copy_own) t_->copy(0, my_part, in_b, shard_bytes);
 }
 
-// Chunk-major, as exchange: chunk k of this rank's shard into every peer's landing ring,
-// then chunk k of every peer out of this rank's rings, each pair on the peer's lane.
-void Protocol::all_gather_put(void* out, const void* in, size_t shard_bytes, uint64_t op_seq,
-                              uint64_t desc) {
-  char* out_b = static_cast<char*>(out);
-  const char* in_b = static_cast<const char*>(in);
-  char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
-  announce(desc);
-  const size_t C = layout_.chunk_bytes;
-  const uint64_t nchunks = world_ == 1 ? 0 : chunks(shard_bytes, desc != 0);
-  for (uint64_t k = 0; k < nchunks; ++k) {
-    const size_t off = k * C;
-    const size_t len = std::min(C, shard_bytes - std::min(off, shard_bytes));
-    for (int i = 1; i < world_; ++i) {
-      const int p = (rank_ + i) % world_;
-      put_chunk(i, p, rs_sent_[p] + k, in_b + off, len, desc, "all_gather", op_seq);
-    }
-    for (int i = 1; i < world_; ++i) {
-      const int p = (rank_ + i) % world_;
-      const uint64_t g = rs_landed_[p] + k;
-      DescCheck check{{desc_in(rank_, WindowLayout::RsDesc, p, g)}, desc, g};
-      t_->wait(i, {flag_in(rank_, WindowLayout::RsReady, p)}, only_[p], g + 1,
-               {"all_gather", "data from", op_seq}, desc ? &check : nullptr);
-      if (len) {
-        t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes + off,
-                 t_->window(rank_) + layout_.rs_slot(p, g), len);
-      }
-      t_->signal(i, {flag_in(p, WindowLayout::RsFree, rank_)}, g + 1);
-    }
-  }
-  for (int p : others_) {
-    rs_sent_[p] += nchunks;
-    rs_landed_[p] += nchunks;
-  }
-  if (my_part != in_b && shard_bytes > 0) t_->copy(0, my_part, in_b, shard_bytes);
-}
-
 // The all-gather with one owner: the root publishes, the others get.
 void Protocol::broadcast(void* buf, size_t bytes, int root, uint64_t op_seq, uint64_t desc) {
   announce(desc);
@@ -288,8 +251,7 @@ void Protocol::exchange(void* out, const void* in, const Exchange& x, uint64_t o
   char* out_b = static_cast<char*>(out);
   const char* in_b = static_cast<const char*>(in);
   const size_t C = layout_.chunk_bytes;
-  const char* op = x.kind == OpKind::AllToAll ? "all_to_all"
-                   : x.kind == OpKind::Scatter ? "scatter" : "gather";
+  const char* op = kind_name(x.kind);
   announce(x.check ? op_desc(x.kind, x.scalar_type, 0, 0, x.root) : 0);
   std::vector<uint64_t> n_send(world_, 0), n_recv(world_, 0);
   uint64_t rounds = 0;

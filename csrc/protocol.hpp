@@ -42,14 +42,6 @@ class Protocol {
   // desc: this rank's op_desc() of the call, checked against every peer's (0: unchecked).
   void all_gather(void* out, const void* in, size_t shard_bytes, uint64_t op_seq,
                   uint64_t desc = 0);
-  // all_gather_put (ODC_STAGED_AG_PUSH): the same result through the landing rings (the
-  // reduce-scatter's): each rank puts every chunk of its shard into each peer's landing ring
-  // and copies the chunks that landed in its own rings into `out`. Writes to the peers instead
-  // of reads from them (on 4 GPUs copy-engine reads from three peers at once are
-  // latency-bound, writes are not: performance.md); one more local copy. Its descriptor is of
-  // its own kind, so ranks that chose differently fail at once.
-  void all_gather_put(void* out, const void* in, size_t shard_bytes, uint64_t op_seq,
-                      uint64_t desc = 0);
   // in holds world * out_numel elements; out holds out_numel.
   void reduce_scatter(void* out, const void* in, size_t out_numel, size_t elem_size,
                       const ReduceSpec& spec, uint64_t op_seq, uint64_t desc = 0);
@@ -81,6 +73,8 @@ class Protocol {
   // pair is checked with its own descriptor (kind, dtype, that pair's bytes, root). With
   // talk_empty, pairs with nothing to send still exchange one empty chunk (all-to-all: a
   // peer that expects bytes must see the mismatch); otherwise empty pairs are skipped.
+  // The staged all-gather pushed (ODC_STAGED_AG_PUSH, kind AllGatherPut) is one: this rank's
+  // shard to every peer, writes instead of the peers' reads from its all-gather ring.
   struct Exchange {
     std::vector<size_t> send, send_off, recv, recv_off;
     OpKind kind = OpKind::AllToAll;

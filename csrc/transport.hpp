@@ -87,6 +87,10 @@ class Transport {
   enum Ring : int { kAgRing = 0, kRsRing, kArenaGetRing, kArenaPutRing, kArenaSyncRing,
                     kArenaEarlyRing, kNumRings };
   virtual void begin_op(void* stream, Ring ring) {}
+  // The operation begun also moves chunks on `ring` (a staged all-gather pushed through the
+  // reduce-scatter's landing rings): it is ordered after that ring's last op too, and is its
+  // last op.
+  virtual void also_on(Ring ring) {}
   virtual void end_op() {}
   // A device transport: an event (a cudaEvent_t, shared) that completes with the work issued
   // so far on `stream`. after_last_op: the caller issued nothing on the stream since this

@@ -182,6 +182,7 @@ CudaTransport::Lanes& CudaTransport::lanes_for(cudaStream_t stream) {
 void CudaTransport::begin_op(void* stream, Ring ring) {
   op_stream_ = static_cast<cudaStream_t>(stream);
   ring_ = ring;
+  also_ = kNumRings;
   last_done_.reset();
   last_use_ = EngineUse{};
   steps_.clear();
@@ -248,8 +249,10 @@ void CudaTransport::end_op() {
   // A ring's chunk counters assume its operations run in issue order: one issued on
   // another stream than the previous one on this ring first waits for that one.
   auto event = [](const std::shared_ptr<void>& e) { return static_cast<cudaEvent_t>(e.get()); };
-  if (ring_done_[ring_] && ring_stream_[ring_] != op_stream_) {
-    check(cudaStreamWaitEvent(op_stream_, event(ring_done_[ring_]), 0), "ordering after the ring's last op");
+  for (Ring r : {ring_, also_}) {
+    if (r != kNumRings && ring_done_[r] && ring_stream_[r] != op_stream_) {
+      check(cudaStreamWaitEvent(op_stream_, event(ring_done_[r]), 0), "ordering after the ring's last op");
+    }
   }
   if (ring_ == kArenaSyncRing) {
     // A minibatch's sync (Done signals, taking the accumulators) comes after every
@@ -270,6 +273,10 @@ void CudaTransport::end_op() {
   ring_done_[ring_] = events_->share(events_->take());
   check(cudaEventRecord(event(ring_done_[ring_]), op_stream_), "recording the ring's last op");
   ring_stream_[ring_] = op_stream_;
+  if (also_ != kNumRings) {
+    ring_done_[also_] = ring_done_[ring_];
+    ring_stream_[also_] = op_stream_;
+  }
   last_done_ = ring_done_[ring_];
 }
 

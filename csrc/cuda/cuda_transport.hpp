@@ -76,6 +76,7 @@ class CudaTransport final : public Transport {
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
               const ReduceSpec& spec) override;
   void begin_op(void* stream, Ring ring) override;
+  void also_on(Ring ring) override { also_ = ring; }
   int create_arena(size_t bytes) override;
   char* arena(int id, int rank) override { return arenas_.at(id).at(rank); }
   void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) override;
@@ -217,6 +218,7 @@ class CudaTransport final : public Transport {
   std::list<std::pair<cudaStream_t, Lanes>> lanes_;  // a list: cur_ must stay valid
   cudaStream_t op_stream_ = nullptr;
   Ring ring_ = kAgRing;
+  Ring also_ = kNumRings;  // also_on's ring (kNumRings: none)
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   cudaStream_t ring_stream_[kNumRings] = {};    // the stream of each ring's last op
   std::shared_ptr<void> ring_done_[kNumRings];  // recorded at the end of that op

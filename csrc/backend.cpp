@@ -248,7 +248,6 @@ uint64_t OdcBackend::issue_path(Channel& ch, const Path& path, bool ag, const at
   const size_t elem = in.element_size();
   const int world = getSize();
   if (path.way == Path::Way::Staged) {
-    // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
     if (ag && options_->staged_ag_push) {
       // Pushed through the landing rings: an exchange whose every pair carries this rank's
       // shard, of a kind of its own (ranks that chose otherwise fail at once).
@@ -262,6 +261,7 @@ uint64_t OdcBackend::issue_path(Channel& ch, const Path& path, bool ag, const at
       ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
       return per_rank * world;
     }
+    // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
     const uint64_t d = desc(ag ? OpKind::AllGather : OpKind::ReduceScatter, in, per_rank, red_op, !ag);
     if (ag) {
       ch.protocol->all_gather(out.data_ptr(), in.data_ptr(), per_rank, seq, d);

@@ -374,11 +374,9 @@ def compare(a) -> int:
     make_model(work / "model", a.size, tok)
     result = {"device": a.device, "nproc": a.nproc, "size": a.size, "role": a.role, "args": vars(a),
               **machine(a.device), "versions": versions()}
-    result["runs"] = run_all(lambda n: run_engine(a, work, n), a.engines.split(","), work / RESULTS[a.role],
+    runs, finished = run_all(lambda n: run_engine(a, work, n), a.engines.split(","), work / RESULTS[a.role],
                              result)
-    runs = {n: r for n, r in result["runs"].items() if "error" not in r}
-    bad = sorted(result["runs"].keys() - runs.keys())
-    checks = {"every run finished": (not bad, f"failed: {bad}" if bad else "all")}
+    checks = {"every run finished": finished}
     if {"stock", "odc"} <= runs.keys():
         stock, odc = runs["stock"], runs["odc"]
         own = ROLE_METRICS[a.role][0][0]  # the loss function's own loss metric (pg_losses, vf_losses)

@@ -239,10 +239,8 @@ def compare(a) -> int:
     result = {"device": a.device, "nproc": a.nproc, "size": a.size, "args": vars(a), **machine(a.device),
               "answer_words": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
               "versions": versions()}
-    result["runs"] = run_all(lambda n: run_engine(a, work, n), names, work / RESULT, result)
-    runs = {n: r for n, r in result["runs"].items() if "error" not in r}
-    bad = sorted(result["runs"].keys() - runs.keys())
-    checks: dict = {"every run finished": (not bad, f"failed: {bad}" if bad else "all")}
+    runs, finished = run_all(lambda n: run_engine(a, work, n), names, work / RESULT, result)
+    checks: dict = {"every run finished": finished}
     if {"stock", "odc"} <= runs.keys():
         stock, odc = runs["stock"], runs["odc"]
         result["compare"] = {"losses": close(odc["losses"], stock["losses"], a.rtol),
@@ -285,10 +283,11 @@ def engine_checks(compared: dict, odc: dict, nproc: int, counts: list[list[int]]
     }
 
 
-def run_all(run, names: list[str], path: Path, result: dict) -> dict:
-    """``run(name)`` for every engine in turn; a run that fails is recorded with its error and the next one
-    still runs. What has run so far is written to ``path`` after each run (``"partial": true``),
-    so a comparison cut short still leaves its finished runs."""
+def run_all(run, names: list[str], path: Path, result: dict) -> tuple[dict, tuple[bool, str]]:
+    """``run(name)`` for every engine in turn; a run that fails is recorded with its error and
+    the next one still runs. What has run so far is written to ``path`` after each run
+    (``"partial": true``), so a comparison cut short still leaves its finished runs. Sets
+    ``result["runs"]`` (every run); returns the runs that finished and the check that all did."""
     runs: dict = {}
     for name in names:
         try:
@@ -297,19 +296,19 @@ def run_all(run, names: list[str], path: Path, result: dict) -> dict:
             runs[name] = {"error": str(e)[-3000:]}
             print(f"{name}: failed: {str(e)[-500:]}", file=sys.stderr)
         path.write_text(json.dumps(dict(result, runs=runs, partial=True), indent=1))
-    return runs
+    result["runs"] = runs
+    bad = sorted(n for n, r in runs.items() if "error" in r)
+    return {n: r for n, r in runs.items() if n not in bad}, (not bad, f"failed: {bad}" if bad else "all")
 
 
 def machine(device: str) -> dict:
     """Where and from what the comparison ran: GPU name and count, date, the project's commit
-    (``ODC_COMMIT`` where the tree has no .git)."""
-    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": os.environ.get("ODC_COMMIT")}
-    if not out["commit"]:
-        try:
-            out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            out["commit"] = None
+    (the benchmarks' ``git_commit``: ``ODC_COMMIT`` where the tree has no .git)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from _meta import git_commit
+
+    commit, dirty = git_commit()
+    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit, "commit_dirty": dirty}
     if device == "cuda":  # from nvidia-smi: a CUDA context here would take memory on the first GPU
         try:
             names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],

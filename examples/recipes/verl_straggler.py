@@ -30,8 +30,6 @@ _SPEC = os.environ.get("ODC_RECIPE_STRAGGLER", "")
 
 
 def _install(rank: int, factor: float) -> None:
-    if factor <= 1.0:
-        raise ValueError(f"ODC_RECIPE_STRAGGLER factor must be > 1, got {factor}")
     if int(os.environ.get("RANK", "0")) != rank or not torch.cuda.is_available():
         return
     rate = {"ms_per_token": None, "cycles_per_ms": None}  # the layers' time per token; the spin's speed
@@ -77,8 +75,6 @@ def _install(rank: int, factor: float) -> None:
 
 
 def _install_host(rank: int, factor: float) -> None:
-    if factor <= 1.0:
-        raise ValueError(f"ODC_RECIPE_STRAGGLER factor must be > 1, got {factor}")
     if int(os.environ.get("RANK", "0")) != rank:
         return
     since = {"t": None}  # the previous microbatch's start in this step (None: the step's first is next)
@@ -105,6 +101,8 @@ def parse(spec: str) -> tuple[int, float, str]:
     parts = spec.split(":")
     if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("gpu", "host")):
         raise ValueError(f"ODC_RECIPE_STRAGGLER={spec!r}: expected RANK:FACTOR or RANK:FACTOR:host")
+    if float(parts[1]) <= 1.0:
+        raise ValueError(f"ODC_RECIPE_STRAGGLER factor must be > 1, got {parts[1]}")
     return int(parts[0]), float(parts[1]), parts[2] if len(parts) == 3 else "gpu"
 
 

@@ -381,6 +381,7 @@ const char* stat_name(Stat s) {
       "registered_ops",
       "registered_allocations",
       "registered_fallbacks",
+      "registered_pool_bytes",
       "all_gather_push_ops",
       "fused_ops",
       "fused_blocks",

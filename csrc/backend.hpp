@@ -61,6 +61,7 @@ enum class Stat : int {
   RegisteredOps,
   RegisteredAllocations,
   RegisteredFallbacks,
+  RegisteredPoolBytes,
   AllGatherPushOps,
   FusedOps,
   FusedBlocks,
@@ -120,9 +121,10 @@ class OdcBackend final : public c10d::Backend {
 
   // Registered memory (pool.hpp): FSDP2's set_allocate_memory_from_process_group_for_comm
   // allocates its all-gather and reduce-scatter buffers here; collectives whose input lies in
-  // it run zero-copy. The first allocation sets up the pool (collective: every rank allocates
-  // the same sizes in the same order); a full pool, or a transport that does not map every
-  // peer, hands out ordinary memory (the staged path; counted in stats()).
+  // it run zero-copy. An allocation that finds no room grows the pool by an arena
+  // (collective: every rank allocates the same sizes in the same order, so every rank grows
+  // there); past ODC_POOL_BYTES, or on a transport that does not map every peer, it hands out
+  // ordinary memory (the staged path; counted in stats()).
   bool supportsTensorAlloc(c10::DeviceIndex deviceIdx) override { return true; }
   at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
 
@@ -199,6 +201,7 @@ class OdcBackend final : public c10d::Backend {
   std::vector<int> global_ranks() const;
 
  private:
+  void agree_on_growth(const c10::Device& device, size_t n, size_t bytes);  // registered.cpp
   // Decoupled mode's arena (decoupled.hpp) runs its one-sided ops as this group's collectives:
   // under its lock, on its channel, with its sequence numbers and counters.
   friend class DecoupledArena;

@@ -46,9 +46,12 @@ enum class SelfServe : int {
 constexpr size_t kDefaultChunkCpu = 1 << 20;
 constexpr size_t kDefaultChunkCuda = 32 << 20;
 constexpr int kDefaultSlots = 4;
-// Registered memory defaults (host shared memory is often small in containers).
+// Registered memory: the most a pool may grow to (host shared memory is often small in
+// containers), and the least it grows by.
 constexpr size_t kDefaultPoolCpu = size_t{64} << 20;
-constexpr size_t kDefaultPoolCuda = size_t{2} << 30;
+constexpr size_t kDefaultPoolCuda = size_t{8} << 30;
+constexpr size_t kPoolStepCpu = size_t{4} << 20;
+constexpr size_t kPoolStepCuda = size_t{64} << 20;
 
 struct Options final : c10d::Backend::Options {
   explicit Options(std::chrono::milliseconds timeout = ::kBackendDefaultTimeout)
@@ -87,8 +90,8 @@ struct Options final : c10d::Backend::Options {
   // ODC_NVSHMEM_STAGE=always: routed copies stage their local side to every routed peer, not
   // only to network peers (runs the network path where NVSHMEM maps every peer)
   bool nvshmem_stage_always = false;
-  // ODC_POOL_BYTES: registered memory per rank behind allocate_tensor (pool.hpp), taken at the
-  // first allocate_tensor; 0: per device (kDefaultPool*)
+  // ODC_POOL_BYTES: the most registered memory per rank behind allocate_tensor (pool.hpp),
+  // which grows to what the buffers in use at once need; 0: per device (kDefaultPool*)
   size_t pool_bytes = 0;
   size_t pool_bytes_for(bool cuda) const {
     return pool_bytes ? pool_bytes : (cuda ? kDefaultPoolCuda : kDefaultPoolCpu);

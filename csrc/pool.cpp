@@ -6,9 +6,39 @@
 
 namespace odc {
 
-RegisteredPool::RegisteredPool(std::vector<char*> bases, size_t bytes, int rank, StreamOrder order)
-    : bases_(std::move(bases)), bytes_(bytes / kAlign * kAlign), rank_(rank), order_(std::move(order)) {
-  if (bytes_) free_[0] = Range{bytes_, {}};
+RegisteredPool::RegisteredPool(int rank, StreamOrder order) : rank_(rank), order_(std::move(order)) {}
+
+void RegisteredPool::add_arena(std::vector<char*> bases, size_t bytes) {
+  bytes = bytes / kAlign * kAlign;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (bytes == 0) return;
+  arenas_.push_back(Arena{end_, bytes, std::move(bases)});
+  free_[end_] = Range{bytes, {}};
+  end_ += bytes + kAlign;  // the gap: ranges of two arenas never touch, so never coalesce
+  bytes_ += bytes;
+}
+
+size_t RegisteredPool::bytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return bytes_;
+}
+
+size_t RegisteredPool::arenas() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return arenas_.size();
+}
+
+const RegisteredPool::Arena* RegisteredPool::arena_of(size_t offset) const {
+  for (const Arena& a : arenas_) {
+    if (offset >= a.start && offset < a.start + a.bytes) return &a;
+  }
+  return nullptr;
+}
+
+char* RegisteredPool::address(int rank, size_t offset) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  const Arena* a = arena_of(offset);
+  return a ? a->bases[rank] + (offset - a->start) : nullptr;
 }
 
 void RegisteredPool::prune(std::vector<Hazard>& hazards) {
@@ -69,13 +99,16 @@ void RegisteredPool::free(size_t offset) {
 
 bool RegisteredPool::is_block(const void* p, size_t bytes, size_t* offset) const {
   const char* c = static_cast<const char*>(p);
-  const char* b = bases_[rank_];
-  if (!b || c < b || c >= b + bytes_) return false;
   std::lock_guard<std::mutex> lk(mu_);
-  auto it = allocated_.find(static_cast<size_t>(c - b));
-  if (it == allocated_.end() || it->second.requested != bytes) return false;
-  *offset = it->first;
-  return true;
+  for (const Arena& a : arenas_) {
+    const char* b = a.bases[rank_];
+    if (!b || c < b || c >= b + a.bytes) continue;
+    auto it = allocated_.find(a.start + static_cast<size_t>(c - b));
+    if (it == allocated_.end() || it->second.requested != bytes) return false;
+    *offset = it->first;
+    return true;
+  }
+  return false;
 }
 
 }  // namespace odc

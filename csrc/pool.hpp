@@ -1,5 +1,7 @@
 // Layer 4, registered memory: the pool behind the backend's allocate_tensor. Depends on the
-// transport interface (transport.hpp: the pool is one of its arenas, mapped by every peer).
+// transport interface (transport.hpp: the pool is made of its arenas, mapped by every peer).
+// It starts empty and grows by an arena when an allocation finds no room, up to
+// ODC_POOL_BYTES: every rank grows at the same allocation, since the pools evolve alike.
 //
 // A collective whose input lies in registered memory runs zero-copy (Protocol::
 // *_registered): its peers read the input where it lies, so nothing is staged through the
@@ -34,14 +36,21 @@ class RegisteredPool {
   };
   static constexpr size_t kAlign = 256;
 
-  // bases: every rank's pool, mapped here (the transport's arena).
-  RegisteredPool(std::vector<char*> bases, size_t bytes, int rank, StreamOrder order = {});
+  explicit RegisteredPool(int rank, StreamOrder order = {});
+
+  // Adds an arena of `bytes` (every rank's, mapped here: bases[r] is rank r's) to the pool.
+  // Offsets are the pool's own: each arena takes the next range of them, with a gap after
+  // it, so that no block or free range ever spans two arenas.
+  void add_arena(std::vector<char*> bases, size_t bytes);
+  size_t bytes() const;   // of all the arenas
+  size_t arenas() const;  // how many
 
   // The offset of a new block of `bytes` (the lowest that fits), or SIZE_MAX when none does.
   size_t allocate(size_t bytes);
   void free(size_t offset);
 
-  char* base(int rank) const { return bases_[rank]; }
+  // Where rank r's pool has `offset` (an offset of a block), mapped here.
+  char* address(int rank, size_t offset) const;
   // Whether p is the start of a live block of exactly `bytes` (as allocated); its offset.
   bool is_block(const void* p, size_t bytes, size_t* offset) const;
 
@@ -61,8 +70,16 @@ class RegisteredPool {
   };
   void prune(std::vector<Hazard>& hazards);
 
-  std::vector<char*> bases_;
-  size_t bytes_;
+  struct Arena {
+    size_t start;              // its first offset
+    size_t bytes;
+    std::vector<char*> bases;  // every rank's
+  };
+  const Arena* arena_of(size_t offset) const;  // under mu_
+
+  std::vector<Arena> arenas_;  // by start
+  size_t end_ = 0;             // the next arena's start
+  size_t bytes_ = 0;
   int rank_;
   StreamOrder order_;
   mutable std::mutex mu_;               // tensors are freed on any thread

@@ -26,7 +26,7 @@ OdcBackend::Path OdcBackend::path_of(Channel& ch, bool ag, const at::Tensor& in,
   size_t off = 0;
   if (!pool || whole == 0) return path;
   const char* in_p = static_cast<const char*>(in.data_ptr());
-  size_t part = 0;  // where rank r's piece lies past pool->base(r) + off
+  size_t part = 0;  // where rank r's piece lies past pool->address(r, off)
   if (!ag) {
     if (!pool->is_block(in_p, whole, &off)) return path;
     path.way = Path::Way::Registered;
@@ -43,8 +43,26 @@ OdcBackend::Path OdcBackend::path_of(Channel& ch, bool ag, const at::Tensor& in,
     return path;
   }
   path.id.offset = off;
-  for (int r = 0; r < world; ++r) path.at.push_back(pool->base(r) + off + r * part);
+  for (int r = 0; r < world; ++r) path.at.push_back(pool->address(r, off) + r * part);
   return path;
+}
+
+// Before the pool's n-th arena: every rank must grow it by the same size, else one offset
+// would name different places on different ranks. Each tells the others through the group's
+// store; a rank that never comes makes the store's wait time out.
+void OdcBackend::agree_on_growth(const c10::Device& device, size_t n, size_t bytes) {
+  const std::string key = cat("odc_pool_growth/", device.type() == c10::DeviceType::CUDA ? "cuda" : "cpu",
+                              "/", n, "/");
+  const std::string mine = std::to_string(bytes);
+  store_->set(key + std::to_string(getRank()), std::vector<uint8_t>(mine.begin(), mine.end()));
+  for (int r = 0; r < getSize(); ++r) {
+    const std::vector<uint8_t> v = store_->get(key + std::to_string(r));
+    const std::string theirs(v.begin(), v.end());
+    ODC_CHECK(theirs == mine, DistBackendError,
+              "odc: allocate_tensor: rank ", getRank(), " grows its registered memory by ", mine,
+              " bytes and rank ", r, " by ", theirs, " at the same step: the ranks must allocate "
+              "and free the same sizes in the same order");
+  }
 }
 
 at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
@@ -53,37 +71,54 @@ at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
   ODC_CHECK(device.is_cpu() || device.is_cuda(), ValueError,
             "odc: allocate_tensor: unsupported device ", device);
   settle_default_backend_type();
+  const size_t bytes = static_cast<size_t>(size) * options.dtype().itemsize();
   std::shared_ptr<RegisteredPool> pool;
+  size_t off = SIZE_MAX;
   {
     std::lock_guard<std::mutex> lock(mu_);
     check_usable();
     Channel& ch = channel(device);
     if (!ch.pool && ch.transport && ch.transport->maps_every_peer()) {
-      const size_t bytes = options_->pool_bytes_for(device.is_cuda());
+      ch.pool = std::make_shared<RegisteredPool>(getRank(), stream_order(device));
+    }
+    pool = ch.pool;
+    if (pool) off = pool->allocate(bytes);
+    // No room: grow by an arena (collective). The ranks' pools evolve alike (the same sizes
+    // allocated and freed in the same order), so every rank grows at this same allocation.
+    const bool cuda = device.is_cuda();
+    const size_t cap = options_->pool_bytes_for(cuda);
+    const size_t need = std::max<size_t>((bytes + RegisteredPool::kAlign - 1) /
+                                             RegisteredPool::kAlign * RegisteredPool::kAlign,
+                                         RegisteredPool::kAlign);
+    if (pool && off == SIZE_MAX && pool->bytes() + need <= cap) {
+      const size_t grow = std::min(cap - pool->bytes(),
+                                   std::max(need, cuda ? kPoolStepCuda : kPoolStepCpu));
       int arena = 0;
       try {
-        arena = ch.transport->create_arena(bytes);  // collective
+        agree_on_growth(device, pool->arenas(), grow);
+        arena = ch.transport->create_arena(grow);  // collective
+      } catch (const c10::DistBackendError&) {
+        throw;
       } catch (const std::exception& e) {
         C10_THROW_ERROR(DistBackendError,
-                        cat("odc: allocate_tensor: registered memory is set up by every rank of "
-                            "the group at its first allocate_tensor, and one did not take part: ",
-                            e.what()));
+                        cat("odc: allocate_tensor: registered memory grows at the same "
+                            "allocation on every rank of the group (the ranks must allocate "
+                            "and free the same sizes in the same order), and one did not take "
+                            "part: ", e.what()));
       }
       std::vector<char*> bases;
       for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
-      ch.pool = std::make_shared<RegisteredPool>(std::move(bases), bytes, getRank(),
-                                                 stream_order(device));
+      pool->add_arena(std::move(bases), grow);
+      count(Stat::RegisteredPoolBytes, grow);
+      off = pool->allocate(bytes);
     }
-    pool = ch.pool;
   }
-  const size_t bytes = static_cast<size_t>(size) * options.dtype().itemsize();
-  const size_t off = pool ? pool->allocate(bytes) : SIZE_MAX;
   if (off == SIZE_MAX) {  // full (or no pool): ordinary memory, the staged path
     count(Stat::RegisteredFallbacks, 1);
     return at::empty({size}, options);
   }
   count(Stat::RegisteredAllocations, 1);
-  return at::from_blob(pool->base(getRank()) + off, {size},
+  return at::from_blob(pool->address(getRank(), off), {size},
                        [pool, off](void*) { pool->free(off); }, options);
 }
 

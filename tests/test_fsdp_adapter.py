@@ -66,7 +66,8 @@ def _comms_worker(rank, world):
     fully_shard(empty, mesh=odc_mesh)
     out = {"odc": _fsdp_adapter.default_comms_on(on_odc.blocks[0], OdcBackend),
            "gloo": _fsdp_adapter.default_comms_on(on_gloo.blocks[0], OdcBackend),
-           "no_params": _fsdp_adapter.default_comms_on(empty, OdcBackend)}
+           "no_params": _fsdp_adapter.default_comms_on(empty, OdcBackend),
+           "cuda_only": _fsdp_adapter.default_comms_on(on_odc.blocks[0], OdcBackend, ("cuda",))}
     on_odc.blocks[0].set_allocate_memory_from_process_group_for_comm(True)
     out["not_default"] = _fsdp_adapter.default_comms_on(on_odc.blocks[0], OdcBackend)
     return out
@@ -74,7 +75,9 @@ def _comms_worker(rank, world):
 
 def test_default_comms_on_tells_the_groups_backend():
     """ODC_FSDP_REGISTERED_MEMORY's test of a module: FSDP2's default communication on an odc
-    group; not on another backend, not without parameters, not once the comms were replaced."""
+    group; not on another backend, not on a device not asked for (ODC_FSDP_REGISTERED_MEMORY=auto
+    asks for GPUs only), not without parameters, not once the comms were replaced."""
     res = run_distributed(_comms_worker, 2, backend="cpu:odc", deadline_s=120)
     for rank, r in res.items():
-        assert r == {"odc": True, "gloo": False, "no_params": False, "not_default": False}, (rank, r)
+        assert r == {"odc": True, "gloo": False, "no_params": False, "cuda_only": False,
+                     "not_default": False}, (rank, r)

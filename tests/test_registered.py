@@ -150,7 +150,10 @@ def _disagree_worker(rank, world, kind):
         buf = _alloc(dev, world * n, F32, g)
         dist.all_gather_into_tensor(buf, buf[rank * n:(rank + 1) * n], group=g)
 
-    for name, call in {"paths": paths, "places": places, "push": push}.items():
+    def growth(g):  # rank 1's first buffer is larger than the least step the pool grows by
+        _alloc(dev, (20_000_000 if kind == "cuda" else 2_000_000) if rank == 1 else 64, F32, g)
+
+    for name, call in {"paths": paths, "places": places, "push": push, "growth": growth}.items():
         os.environ["ODC_AG_PUSH"] = "1" if name == "push" and rank == 1 else "0"
         g = dist.new_group(list(range(world)))  # its options are read now
         os.environ.pop("ODC_AG_PUSH")
@@ -185,6 +188,13 @@ def test_disagreeing_ranks_fail_at_once(kind):
         assert kind_ == "DistBackendError" and "issued a different collective" in msg, (rank, msg)
         assert "all_gather (registered memory, pushed)" in msg, (rank, msg)
         assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
+    for rank in range(world):  # every rank sees that rank 1 grows its pool by more
+        got = res[rank]["growth"]
+        assert got is not None, f"rank {rank}: pools grown by different sizes went unnoticed"
+        kind_, msg, took = got
+        assert kind_ == "DistBackendError" and "grows its registered memory by" in msg, (rank, msg)
+        assert "same order" in msg, (rank, msg)
+        assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
     for rank in range(world):  # the ranks reading rank 1's input (and rank 1) see the places differ
         got = res[rank]["places"]
         assert got is not None, f"rank {rank}: buffers at different places went unnoticed"
@@ -201,6 +211,9 @@ def _push_places_worker(rank, world, kind):
     would land in the canary. No push may touch it."""
     dev = _device(kind)
     n = 1_500_000  # 6 MB per rank: the copy engines unless the fused kernel is asked for
+    # the pool grows at the same allocation everywhere: room for rank 1's second buffer first
+    room = _alloc(dev, 2 * world * n + 64, F32)
+    del room
     buf = _alloc(dev, world * n, F32)
     _fill(buf[rank * n:(rank + 1) * n], rank)
     dist.all_gather_into_tensor(buf, buf[rank * n:(rank + 1) * n])
@@ -248,18 +261,42 @@ def test_push_never_writes_where_the_peer_has_no_output(kind, env, engine):
     assert res[1][2] is True, "a push wrote into rank 1's other buffer"
 
 
-def _full_pool_worker(rank, world):
-    dev, n = torch.device("cpu"), 300
-    a = _alloc(dev, world * n, F32)  # 2400 of the pool's 4096 bytes
-    b = _alloc(dev, world * n, F32)  # does not fit: ordinary memory
-    equal = []
-    for seed, out in ((0, a), (10, b)):
-        _fill(out[rank * n:(rank + 1) * n], seed + rank)
+MiB = 1 << 20
+
+
+def _growing_pool_worker(rank, world):
+    dev = torch.device("cpu")
+    per = lambda nbytes: nbytes // 4 // world  # fp32 elements per rank  # noqa: E731
+    bufs = {"a": _alloc(dev, world * per(1 * MiB), F32),  # the pool's first arena: 4 MiB (the least step)
+            "b": _alloc(dev, world * per(6 * MiB), F32),  # no room left for it: a second one, of 6 MiB
+            "c": _alloc(dev, world * per(4 * MiB), F32)}  # 14 MiB > ODC_POOL_BYTES: ordinary memory
+    equal = {}
+    for seed, (name, out) in enumerate(bufs.items()):
+        n = out.numel() // world
+        _fill(out[rank * n:(rank + 1) * n], 10 * seed + rank)
         dist.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n])
-        equal.append(torch.equal(out, torch.cat([_fill(torch.empty(n), seed + r) for r in range(world)])))
-    del a, b
-    c = _alloc(dev, 1024, F32)  # the whole pool again, once a is freed
-    return equal, _stats(dev), c.numel()
+        equal[name] = torch.equal(out, torch.cat([_fill(torch.empty(n), 10 * seed + r) for r in range(world)]))
+    del bufs["a"]
+    d = _alloc(dev, world * per(4 * MiB), F32)  # a's arena, whole again: no growth
+    n = d.numel() // world
+    _fill(d[rank * n:(rank + 1) * n], 50 + rank)
+    dist.all_gather_into_tensor(d, d[rank * n:(rank + 1) * n])
+    equal["d"] = torch.equal(d, torch.cat([_fill(torch.empty(n), 50 + r) for r in range(world)]))
+    return equal, _stats(dev)
+
+
+def test_pool_grows_on_every_rank_at_the_same_allocation_up_to_its_limit():
+    """The pool starts empty and grows by an arena at an allocation that finds no room (a
+    step every rank takes there), by at least 4 MiB on CPU; past ODC_POOL_BYTES it hands out
+    ordinary memory; freed room is reused before growing again. Collectives on blocks of
+    either arena run zero-copy and are right."""
+    res = run_distributed(_growing_pool_worker, 2, backend="cpu:odc",
+                          env={"ODC_POOL_BYTES": str(12 * MiB)}, deadline_s=120)
+    for rank, (equal, stats) in res.items():
+        assert equal == {"a": True, "b": True, "c": True, "d": True}, (rank, equal)
+        assert stats.get("registered_pool_bytes") == 10 * MiB, (rank, stats)
+        assert stats.get("registered_allocations") == 3 and stats.get("registered_fallbacks") == 1, (rank, stats)
+        assert stats.get("registered_ops") == 3, (rank, stats)  # a, b, d: c took the staged path
 
 
 def _fsdp_worker(rank, world, kind, registered):
@@ -280,13 +317,19 @@ def _fsdp_worker(rank, world, kind, registered):
 
 @pytest.mark.parametrize("kind", ["cpu", cuda_case("cuda", id="cuda")])
 def test_fsdp2_with_registered_memory_trains_as_without(kind):
-    """FSDP2 with torch_odc_backend.use_registered_memory, and with ODC_FSDP_REGISTERED_MEMORY=1
+    """FSDP2 with torch_odc_backend.use_registered_memory, and with ODC_FSDP_REGISTERED_MEMORY
     and no call: the staged path's training (bitwise on CPU; on CUDA within the FSDP2 tests'
-    tolerance), and its collectives went zero-copy."""
+    tolerance), and its collectives went zero-copy. The setting's default (auto) is tried
+    where it decides: on CPU it must leave the staged path (the staged run), on CUDA take
+    registered memory (the run without a call)."""
     env = dict(_env(kind), CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    env.pop("ODC_FSDP_REGISTERED_MEMORY", None)
+    default = {}  # the variable unset: auto
+    setting = {"staged": default if kind == "cpu" else {"ODC_FSDP_REGISTERED_MEMORY": "0"},
+               "call": {"ODC_FSDP_REGISTERED_MEMORY": "0"},
+               "env": {"ODC_FSDP_REGISTERED_MEMORY": "1"} if kind == "cpu" else default}
     runs = {how: run_distributed(_fsdp_worker, 2, kind, how, backend=_backend(kind),
-                                 env=dict(env, ODC_FSDP_REGISTERED_MEMORY="1" if how == "env" else "0"),
-                                 timeout_s=TIMEOUT_S, deadline_s=240)
+                                 env=dict(env, **setting[how]), timeout_s=TIMEOUT_S, deadline_s=240)
             for how in ("staged", "call", "env")}
     tol = dict(rtol=0, atol=0) if kind == "cpu" else dict(rtol=1e-5, atol=1e-6)
     for rank in range(2):

@@ -112,10 +112,11 @@ def create_backend(opts, pg_options):
         # world-collectively, with the unique id through this group's store
         nvshmem.init_from_backend(opts.store, opts.group_rank, opts.group_size, options)
     backend = _new_backend(opts.store, opts.group_rank, opts.group_size, options)
-    if config.fsdp_registered_memory():
+    devices = config.fsdp_registered_devices()
+    if devices:
         from .registered import watch_fsdp_modules
 
-        watch_fsdp_modules()
+        watch_fsdp_modules(devices)
     return backend
 
 

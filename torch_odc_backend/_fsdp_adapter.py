@@ -60,13 +60,17 @@ def group_policy(module) -> GroupPolicy | None:
                        padded_shard_sizes=tuple(fp.padded_sharded_param_size for fp in g.fsdp_params))
 
 
-def default_comms_on(module, backend_type: type) -> bool:
-    """Whether ``module`` has FSDP parameter groups and each all-gathers and reduce-scatters
-    on a process group whose backend for its device is a ``backend_type``, with FSDP2's default
-    communication (no custom all-gather / reduce-scatter, no symmetric memory)."""
+def default_comms_on(module, backend_type: type,
+                     device_types: tuple[str, ...] = ("cpu", "cuda")) -> bool:
+    """Whether ``module`` has FSDP parameter groups and each, on a device of ``device_types``,
+    all-gathers and reduce-scatters on a process group whose backend for its device is a
+    ``backend_type``, with FSDP2's default communication (no custom all-gather /
+    reduce-scatter, no symmetric memory)."""
     _check_version()
     groups = _param_groups(module)
     for g in groups:
+        if g.device.type not in device_types:
+            return False
         if (type(g._all_gather_comm).__name__ != "DefaultAllGather"
                 or type(g._reduce_scatter_comm).__name__ != "DefaultReduceScatter"):
             return False

@@ -134,13 +134,15 @@ def knobs() -> OdcBackend.Options:
 
 # ---- process-wide knobs (not backend options)
 
-def fsdp_registered_memory() -> bool:
-    """ODC_FSDP_REGISTERED_MEMORY: ``1`` makes every FSDP2 module whose collectives run on odc
-    take its all-gather and reduce-scatter buffers from registered memory (zero-copy), as
-    ``use_registered_memory(model)`` does, with no call from the trainer; ``0`` (default) leaves
-    that to the call. Read as each odc group is made."""
-    raw = os.environ.get("ODC_FSDP_REGISTERED_MEMORY", "").strip()
-    return _flag("ODC_FSDP_REGISTERED_MEMORY", raw) if raw else False
+def fsdp_registered_devices() -> tuple[str, ...]:
+    """ODC_FSDP_REGISTERED_MEMORY: on which devices every FSDP2 module whose collectives run on
+    odc takes its all-gather and reduce-scatter buffers from registered memory (zero-copy), as
+    ``use_registered_memory(model)`` does, with no call from the trainer: ``auto`` (default) on
+    GPUs, ``1`` on GPUs and CPUs, ``0`` nowhere (left to the call). Read as each odc group is
+    made."""
+    raw = os.environ.get("ODC_FSDP_REGISTERED_MEMORY", "").strip() or "auto"
+    table = {"auto": ("cuda",), "1": ("cpu", "cuda"), "0": ()}
+    return _choice(table, "auto, 1 or 0")("ODC_FSDP_REGISTERED_MEMORY", raw)
 
 
 VERL_ROLES = ("actor", "critic", "reference")

@@ -7,12 +7,14 @@ window's rings. FSDP2 allocates its communication buffers through that hook when
 ``use_registered_memory(model)`` asks every FSDP2 module of a model.
 
 The ranks must allocate the same sizes in the same order (FSDP2 does): each peer's buffer
-is found at the same place of that peer's pool, and the collectives check that it is.
-``ODC_POOL_BYTES`` sizes the pool (docs/configuration.md); a full pool hands out ordinary
-memory, and those collectives take the staged path.
+is found at the same place of that peer's pool, and the collectives check that it is. The
+pool grows to what the buffers in use at once need, up to ``ODC_POOL_BYTES``
+(docs/configuration.md); beyond that it hands out ordinary memory, and those collectives
+take the staged path.
 
-``ODC_FSDP_REGISTERED_MEMORY=1`` does what ``use_registered_memory`` does for every FSDP2
-module whose collectives run on odc, with no call from the trainer (``watch_fsdp_modules``).
+``ODC_FSDP_REGISTERED_MEMORY`` (by default on GPUs) does what ``use_registered_memory`` does
+for every FSDP2 module whose collectives run on odc, with no call from the trainer
+(``watch_fsdp_modules``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 __all__ = ["use_registered_memory"]
 
-_WATCH: dict = {}  # ODC_FSDP_REGISTERED_MEMORY=1: PyTorch's global hooks, while they watch
+_WATCH: dict = {}  # ODC_FSDP_REGISTERED_MEMORY: PyTorch's global hooks, while they watch
 
 
 def use_registered_memory(model: torch.nn.Module, enable: bool = True) -> int:
@@ -41,11 +43,11 @@ def use_registered_memory(model: torch.nn.Module, enable: bool = True) -> int:
     return n
 
 
-def watch_fsdp_modules() -> None:
-    """``ODC_FSDP_REGISTERED_MEMORY=1`` (called as an odc group is made): at its first forward,
-    before FSDP2 allocates anything for it, every FSDP2 module whose all-gathers and
-    reduce-scatters run on odc with FSDP2's default communication takes its buffers from
-    registered memory, as after ``use_registered_memory``. PyTorch's public global forward
+def watch_fsdp_modules(device_types: tuple[str, ...] = ("cpu", "cuda")) -> None:
+    """``ODC_FSDP_REGISTERED_MEMORY`` (called as an odc group is made): at its first forward,
+    before FSDP2 allocates anything for it, every FSDP2 module on one of ``device_types``
+    whose all-gathers and reduce-scatters run on odc with FSDP2's default communication takes
+    its buffers from registered memory, as after ``use_registered_memory``. PyTorch's public global forward
     pre-hook finds the modules; it and the optimizer-step hook that removes it go at the first
     optimizer step, so later forwards pay nothing (a model first run after that keeps the
     staged path unless ``use_registered_memory`` is called). Idempotent."""
@@ -65,7 +67,7 @@ def watch_fsdp_modules() -> None:
         for m in module.modules():
             if isinstance(m, FSDPModule) and id(m) not in seen:
                 seen.add(id(m))
-                if _fsdp_adapter.default_comms_on(m, OdcBackend):
+                if _fsdp_adapter.default_comms_on(m, OdcBackend, device_types):
                     m.set_allocate_memory_from_process_group_for_comm(True)
 
     def after_step(optimizer, args, kwargs):

@@ -319,15 +319,14 @@ def _fsdp_worker(rank, world, kind, registered):
 def test_fsdp2_with_registered_memory_trains_as_without(kind):
     """FSDP2 with torch_odc_backend.use_registered_memory, and with ODC_FSDP_REGISTERED_MEMORY
     and no call: the staged path's training (bitwise on CPU; on CUDA within the FSDP2 tests'
-    tolerance), and its collectives went zero-copy. The setting's default (auto) is tried
-    where it decides: on CPU it must leave the staged path (the staged run), on CUDA take
-    registered memory (the run without a call)."""
+    tolerance), and its collectives went zero-copy. The staged run leaves the setting unset:
+    by default FSDP2 takes no registered memory without the call. On CUDA the run without a
+    call uses `auto` (GPUs only), on CPU `1`."""
     env = dict(_env(kind), CUBLAS_WORKSPACE_CONFIG=":4096:8")
     env.pop("ODC_FSDP_REGISTERED_MEMORY", None)
-    default = {}  # the variable unset: auto
-    setting = {"staged": default if kind == "cpu" else {"ODC_FSDP_REGISTERED_MEMORY": "0"},
+    setting = {"staged": {},  # the default
                "call": {"ODC_FSDP_REGISTERED_MEMORY": "0"},
-               "env": {"ODC_FSDP_REGISTERED_MEMORY": "1"} if kind == "cpu" else default}
+               "env": {"ODC_FSDP_REGISTERED_MEMORY": "1" if kind == "cpu" else "auto"}}
     runs = {how: run_distributed(_fsdp_worker, 2, kind, how, backend=_backend(kind),
                                  env=dict(env, **setting[how]), timeout_s=TIMEOUT_S, deadline_s=240)
             for how in ("staged", "call", "env")}

@@ -137,10 +137,10 @@ def knobs() -> OdcBackend.Options:
 def fsdp_registered_devices() -> tuple[str, ...]:
     """ODC_FSDP_REGISTERED_MEMORY: on which devices every FSDP2 module whose collectives run on
     odc takes its all-gather and reduce-scatter buffers from registered memory (zero-copy), as
-    ``use_registered_memory(model)`` does, with no call from the trainer: ``auto`` (default) on
-    GPUs, ``1`` on GPUs and CPUs, ``0`` nowhere (left to the call). Read as each odc group is
-    made."""
-    raw = os.environ.get("ODC_FSDP_REGISTERED_MEMORY", "").strip() or "auto"
+    ``use_registered_memory(model)`` does, with no call from the trainer: ``auto`` on GPUs,
+    ``1`` on GPUs and CPUs, ``0`` (default) nowhere (left to the call). Read as each odc group
+    is made."""
+    raw = os.environ.get("ODC_FSDP_REGISTERED_MEMORY", "").strip() or "0"
     table = {"auto": ("cuda",), "1": ("cpu", "cuda"), "0": ()}
     return _choice(table, "auto, 1 or 0")("ODC_FSDP_REGISTERED_MEMORY", raw)
 

@@ -12,7 +12,7 @@ pool grows to what the buffers in use at once need, up to ``ODC_POOL_BYTES``
 (docs/configuration.md); beyond that it hands out ordinary memory, and those collectives
 take the staged path.
 
-``ODC_FSDP_REGISTERED_MEMORY`` (by default on GPUs) does what ``use_registered_memory`` does
+``ODC_FSDP_REGISTERED_MEMORY=auto`` (GPUs) or ``1`` does what ``use_registered_memory`` does
 for every FSDP2 module whose collectives run on odc, with no call from the trainer
 (``watch_fsdp_modules``).
 """

@@ -174,34 +174,27 @@ def test_disagreeing_ranks_fail_at_once(kind):
     world = 3
     res = run_distributed(_disagree_worker, world, kind, backend=_backend(kind), env=_env(kind),
                           timeout_s=TIMEOUT_S, deadline_s=240)
-    for rank in range(world):
-        got = res[rank]["paths"]
-        assert got is not None, f"rank {rank}: registered and staged all-gathers mixed without an error"
-        kind_, msg, took = got
-        assert kind_ == "DistBackendError" and "issued a different collective" in msg, (rank, msg)
-        assert "called all_gather (registered memory)" in msg and re.search(r"called all_gather[,.]", msg), (rank, msg)
-        assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
-    for rank in range(world):
-        got = res[rank]["push"]
-        assert got is not None, f"rank {rank}: pushed and got all-gathers mixed without an error"
-        kind_, msg, took = got
-        assert kind_ == "DistBackendError" and "issued a different collective" in msg, (rank, msg)
-        assert "all_gather (registered memory, pushed)" in msg, (rank, msg)
-        assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
-    for rank in range(world):  # every rank sees that rank 1 grows its pool by more
-        got = res[rank]["growth"]
-        assert got is not None, f"rank {rank}: pools grown by different sizes went unnoticed"
-        kind_, msg, took = got
-        assert kind_ == "DistBackendError" and "grows its registered memory by" in msg, (rank, msg)
-        assert "same order" in msg, (rank, msg)
-        assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
-    for rank in range(world):  # the ranks reading rank 1's input (and rank 1) see the places differ
-        got = res[rank]["places"]
-        assert got is not None, f"rank {rank}: buffers at different places went unnoticed"
-        kind_, msg, took = got
-        assert kind_ == "DistBackendError", (rank, msg)
-        assert "not at the same place" in msg and "same order" in msg, (rank, msg)
-        assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
+
+    def failed_at_once(case, unnoticed, *needles, pattern=None):
+        for rank in range(world):
+            got = res[rank][case]
+            assert got is not None, f"rank {rank}: {unnoticed}"
+            kind_, msg, took = got
+            assert kind_ == "DistBackendError" and all(n in msg for n in needles), (rank, msg)
+            assert pattern is None or re.search(pattern, msg), (rank, msg)
+            assert took < TIMEOUT_S / 3, f"rank {rank}: {took:.1f}s (a timeout?)"
+
+    failed_at_once("paths", "registered and staged all-gathers mixed without an error",
+                   "issued a different collective", "called all_gather (registered memory)",
+                   pattern=r"called all_gather[,.]")
+    failed_at_once("push", "pushed and got all-gathers mixed without an error",
+                   "issued a different collective", "all_gather (registered memory, pushed)")
+    # every rank sees that rank 1 grows its pool by more
+    failed_at_once("growth", "pools grown by different sizes went unnoticed",
+                   "grows its registered memory by", "same order")
+    # the ranks reading rank 1's input (and rank 1) see the places differ
+    failed_at_once("places", "buffers at different places went unnoticed",
+                   "not at the same place", "same order")
 
 
 def _push_places_worker(rank, world, kind):

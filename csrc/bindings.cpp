@@ -84,9 +84,9 @@ void bind_options(BackendClass& backend) {
       .def_readwrite("nvshmem_stage_always", &O::nvshmem_stage_always,
                      "ODC_NVSHMEM_STAGE=always")
       .def_readwrite("pool_bytes", &O::pool_bytes,
-                     "ODC_POOL_BYTES (0: 64 MiB CPU, 2 GiB CUDA)")
+                     "ODC_POOL_BYTES (0: 64 MiB CPU, 8 GiB CUDA)")
       .def("pool_bytes_for", &O::pool_bytes_for, py::arg("cuda"),
-           "Registered memory per rank on CUDA (True) or CPU (False): pool_bytes or the default.")
+           "The most registered memory per rank on CUDA (True) or CPU (False): pool_bytes or the default.")
       .def("chunk_bytes_for", &O::chunk_bytes_for, py::arg("cuda"),
            "Bytes per ring slot on CUDA (True) or CPU (False): chunk_bytes or the default.")
       .def("routes_peer", &O::routes_peer, py::arg("global_a"), py::arg("global_b"),

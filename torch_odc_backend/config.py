@@ -100,8 +100,8 @@ KNOBS: tuple[Knob, ...] = (
          "self_serve", "the collectives FSDP does not issue: auto (odc for CUDA tensors when ranks "
          "share a GPU or torch has no NCCL, else the inner gloo / NCCL backend), 1 odc, 0 the inner backend"),
     Knob("ODC_POOL_BYTES", _bytes, "pool_bytes",
-         "registered memory per rank behind allocate_tensor, for zero-copy collectives "
-         "(64 MiB CPU, 2 GiB CUDA; taken at the first allocate_tensor)"),
+         "the most registered memory per rank behind allocate_tensor, for zero-copy collectives "
+         "(64 MiB CPU, 8 GiB CUDA; grown as allocations need it)"),
     Knob("ODC_NVSHMEM_STAGE", _choice({"auto": False, "always": True}, "auto or always"),
          "nvshmem_stage_always", "which routed copies stage through the slab: auto those to network "
          "peers, always every routed copy (the network path on one host, for tests)"),

@@ -47,21 +47,35 @@ OdcBackend::Path OdcBackend::path_of(Channel& ch, bool ag, const at::Tensor& in,
   return path;
 }
 
-// Before the pool's n-th arena: every rank must grow it by the same size, else one offset
-// would name different places on different ranks. Each tells the others through the group's
-// store; a rank that never comes makes the store's wait time out.
-void OdcBackend::agree_on_growth(const c10::Device& device, size_t n, size_t bytes) {
+// Before the pool's n-th arena: every rank must grow it by the same size, under the same
+// limit, else one offset would name different places on different ranks. Each tells the
+// others through the group's store and waits for theirs up to the group's timeout.
+void OdcBackend::agree_on_growth(const c10::Device& device, size_t n, size_t bytes, size_t cap) {
   const std::string key = cat("odc_pool_growth/", device.type() == c10::DeviceType::CUDA ? "cuda" : "cpu",
                               "/", n, "/");
-  const std::string mine = std::to_string(bytes);
+  const std::string mine = cat(bytes, " ", cap);
   store_->set(key + std::to_string(getRank()), std::vector<uint8_t>(mine.begin(), mine.end()));
+  const std::chrono::milliseconds timeout(timeout_ms_->load(std::memory_order_relaxed));
   for (int r = 0; r < getSize(); ++r) {
+    try {
+      store_->wait({key + std::to_string(r)}, timeout);
+    } catch (const std::exception&) {
+      C10_THROW_ERROR(DistBackendError,
+                      cat("odc: allocate_tensor: rank ", getRank(), " grows its registered memory "
+                          "and rank ", r, " did not take that step within ", timeout.count(),
+                          " ms: the ranks must allocate and free the same sizes in the same order "
+                          "(or rank ", r, " is dead or stuck)"));
+    }
     const std::vector<uint8_t> v = store_->get(key + std::to_string(r));
     const std::string theirs(v.begin(), v.end());
+    const size_t space = theirs.find(' ');
+    ODC_CHECK(theirs.substr(space + 1) == std::to_string(cap), DistBackendError,
+              "odc: allocate_tensor: rank ", getRank(), " has ODC_POOL_BYTES ", cap, " and rank ",
+              r, " has ", theirs.substr(space + 1), ": every rank of a group needs the same");
     ODC_CHECK(theirs == mine, DistBackendError,
-              "odc: allocate_tensor: rank ", getRank(), " grows its registered memory by ", mine,
-              " bytes and rank ", r, " by ", theirs, " at the same step: the ranks must allocate "
-              "and free the same sizes in the same order");
+              "odc: allocate_tensor: rank ", getRank(), " grows its registered memory by ", bytes,
+              " bytes and rank ", r, " by ", theirs.substr(0, space), " at the same step: the ranks "
+              "must allocate and free the same sizes in the same order");
   }
 }
 
@@ -91,20 +105,24 @@ at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
                                              RegisteredPool::kAlign * RegisteredPool::kAlign,
                                          RegisteredPool::kAlign);
     if (pool && off == SIZE_MAX && pool->bytes() + need <= cap) {
-      const size_t grow = std::min(cap - pool->bytes(),
-                                   std::max(need, cuda ? kPoolStepCuda : kPoolStepCpu));
+      const size_t grow = std::min(cap - pool->bytes(),  // >= need, a multiple of kAlign
+                                   std::max(need, cuda ? kPoolStepCuda : kPoolStepCpu)) /
+                          RegisteredPool::kAlign * RegisteredPool::kAlign;
       int arena = 0;
+      // A growth that fails leaves the ranks' pools (and arenas) apart: the group is unusable.
       try {
-        agree_on_growth(device, pool->arenas(), grow);
-        arena = ch.transport->create_arena(grow);  // collective
-      } catch (const c10::DistBackendError&) {
+        agree_on_growth(device, pool->arenas(), grow, cap);
+        try {
+          arena = ch.transport->create_arena(grow);  // collective
+        } catch (const std::exception& e) {
+          C10_THROW_ERROR(DistBackendError,
+                          cat("odc: allocate_tensor: growing registered memory by ", grow,
+                              " bytes failed (a lower ODC_POOL_BYTES keeps the rest on the staged "
+                              "path): ", e.what()));
+        }
+      } catch (const c10::DistBackendError& e) {
+        broken_ = e.what_without_backtrace();
         throw;
-      } catch (const std::exception& e) {
-        C10_THROW_ERROR(DistBackendError,
-                        cat("odc: allocate_tensor: registered memory grows at the same "
-                            "allocation on every rank of the group (the ranks must allocate "
-                            "and free the same sizes in the same order), and one did not take "
-                            "part: ", e.what()));
       }
       std::vector<char*> bases;
       for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));

@@ -151,7 +151,12 @@ def _disagree_worker(rank, world, kind):
         dist.all_gather_into_tensor(buf, buf[rank * n:(rank + 1) * n], group=g)
 
     def growth(g):  # rank 1's first buffer is larger than the least step the pool grows by
-        _alloc(dev, (20_000_000 if kind == "cuda" else 2_000_000) if rank == 1 else 64, F32, g)
+        try:
+            _alloc(dev, (20_000_000 if kind == "cuda" else 2_000_000) if rank == 1 else 64, F32, g)
+        except Exception:
+            with pytest.raises(Exception, match="unusable"):  # the pools are apart now
+                _alloc(dev, 64, F32, g)
+            raise
 
     for name, call in {"paths": paths, "places": places, "push": push, "growth": growth}.items():
         os.environ["ODC_AG_PUSH"] = "1" if name == "push" and rank == 1 else "0"
@@ -257,39 +262,66 @@ def test_push_never_writes_where_the_peer_has_no_output(kind, env, engine):
 MiB = 1 << 20
 
 
-def _growing_pool_worker(rank, world):
-    dev = torch.device("cpu")
+def _growing_pool_worker(rank, world, kind, step):
+    dev = _device(kind)
     per = lambda nbytes: nbytes // 4 // world  # fp32 elements per rank  # noqa: E731
-    bufs = {"a": _alloc(dev, world * per(1 * MiB), F32),  # the pool's first arena: 4 MiB (the least step)
-            "b": _alloc(dev, world * per(6 * MiB), F32),  # no room left for it: a second one, of 6 MiB
-            "c": _alloc(dev, world * per(4 * MiB), F32)}  # 14 MiB > ODC_POOL_BYTES: ordinary memory
+    bufs = {"a": _alloc(dev, world * per(step // 4), F32),  # the pool's first arena: the least step
+            "b": _alloc(dev, world * per(step * 3 // 2), F32),  # no room left: a second arena, its size
+            "c": _alloc(dev, world * per(step), F32)}  # past ODC_POOL_BYTES (3 steps): ordinary memory
+    bufs["d"] = None
     equal = {}
-    for seed, (name, out) in enumerate(bufs.items()):
+    for seed, name in enumerate(list(bufs)):
+        if name == "d":  # a's arena, whole again once a is freed: no growth
+            del bufs["a"]
+            bufs["d"] = _alloc(dev, world * per(step), F32)
+        out = bufs[name]
         n = out.numel() // world
         _fill(out[rank * n:(rank + 1) * n], 10 * seed + rank)
         dist.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n])
-        equal[name] = torch.equal(out, torch.cat([_fill(torch.empty(n), 10 * seed + r) for r in range(world)]))
-    del bufs["a"]
-    d = _alloc(dev, world * per(4 * MiB), F32)  # a's arena, whole again: no growth
-    n = d.numel() // world
-    _fill(d[rank * n:(rank + 1) * n], 50 + rank)
-    dist.all_gather_into_tensor(d, d[rank * n:(rank + 1) * n])
-    equal["d"] = torch.equal(d, torch.cat([_fill(torch.empty(n), 50 + r) for r in range(world)]))
+        expected = torch.cat([_fill(torch.empty(n), 10 * seed + r) for r in range(world)])
+        equal[name] = torch.equal(out.cpu(), expected)
     return equal, _stats(dev)
 
 
-def test_pool_grows_on_every_rank_at_the_same_allocation_up_to_its_limit():
+@pytest.mark.parametrize("kind,step", [("cpu", 4 * MiB), cuda_case("cuda", 64 * MiB, id="cuda")])
+def test_pool_grows_on_every_rank_at_the_same_allocation_up_to_its_limit(kind, step):
     """The pool starts empty and grows by an arena at an allocation that finds no room (a
-    step every rank takes there), by at least 4 MiB on CPU; past ODC_POOL_BYTES it hands out
-    ordinary memory; freed room is reused before growing again. Collectives on blocks of
-    either arena run zero-copy and are right."""
-    res = run_distributed(_growing_pool_worker, 2, backend="cpu:odc",
-                          env={"ODC_POOL_BYTES": str(12 * MiB)}, deadline_s=120)
+    step every rank takes there), by at least 4 MiB on CPU and 64 MiB on CUDA; past
+    ODC_POOL_BYTES it hands out ordinary memory; freed room is reused before growing again.
+    Collectives on blocks of either arena run zero-copy and are right."""
+    res = run_distributed(_growing_pool_worker, 2, kind, step, backend=_backend(kind),
+                          env=dict(_env(kind), ODC_POOL_BYTES=str(3 * step)), timeout_s=TIMEOUT_S,
+                          deadline_s=120)
     for rank, (equal, stats) in res.items():
         assert equal == {"a": True, "b": True, "c": True, "d": True}, (rank, equal)
-        assert stats.get("registered_pool_bytes") == 10 * MiB, (rank, stats)
+        assert stats.get("registered_pool_bytes") == step * 5 // 2, (rank, stats)
         assert stats.get("registered_allocations") == 3 and stats.get("registered_fallbacks") == 1, (rank, stats)
         assert stats.get("registered_ops") == 3, (rank, stats)  # a, b, d: c took the staged path
+
+
+def _growing_alone_worker(rank, world):
+    t0, out = time.monotonic(), []
+    for step in range(2):
+        try:
+            if rank == 1 and step == 0:  # only rank 1 needs room
+                _alloc(torch.device("cpu"), 2_000_000, F32)
+            dist.all_gather_into_tensor(torch.empty(world), torch.ones(1))
+            out.append(None)
+        except Exception as exc:  # noqa: BLE001
+            out.append((str(exc), time.monotonic() - t0))
+    return out
+
+
+def test_a_rank_that_grows_alone_fails_after_the_timeout():
+    """Ranks whose allocations differ so that one grows its pool and the others do not:
+    that rank fails after the group's timeout naming the rank that did not come, the others
+    when their collective times out, and the group is unusable after."""
+    res = run_distributed(_growing_alone_worker, 2, backend="cpu:odc", timeout_s=3.0, deadline_s=60)
+    (first1, took1), (then1, _) = res[1]
+    assert "rank 0 did not take that step within 3000 ms" in first1 and took1 < 15, (first1, took1)
+    (first0, took0), (then0, _) = res[0]
+    assert "timed out" in first0 and took0 < 15, (first0, took0)
+    assert "unusable" in then0 and "unusable" in then1, (then0, then1)
 
 
 def _fsdp_worker(rank, world, kind, registered):
@@ -312,12 +344,11 @@ def _fsdp_worker(rank, world, kind, registered):
 def test_fsdp2_with_registered_memory_trains_as_without(kind):
     """FSDP2 with torch_odc_backend.use_registered_memory, and with ODC_FSDP_REGISTERED_MEMORY
     and no call: the staged path's training (bitwise on CPU; on CUDA within the FSDP2 tests'
-    tolerance), and its collectives went zero-copy. The staged run leaves the setting unset:
+    tolerance), and its collectives went zero-copy. The staged run leaves the setting empty:
     by default FSDP2 takes no registered memory without the call. On CUDA the run without a
     call uses `auto` (GPUs only), on CPU `1`."""
     env = dict(_env(kind), CUBLAS_WORKSPACE_CONFIG=":4096:8")
-    env.pop("ODC_FSDP_REGISTERED_MEMORY", None)
-    setting = {"staged": {},  # the default
+    setting = {"staged": {"ODC_FSDP_REGISTERED_MEMORY": ""},  # empty: the default
                "call": {"ODC_FSDP_REGISTERED_MEMORY": "0"},
                "env": {"ODC_FSDP_REGISTERED_MEMORY": "1" if kind == "cpu" else "auto"}}
     runs = {how: run_distributed(_fsdp_worker, 2, kind, how, backend=_backend(kind),

@@ -201,7 +201,9 @@ class OdcBackend final : public c10d::Backend {
   std::vector<int> global_ranks() const;
 
  private:
-  void agree_on_growth(const c10::Device& device, size_t n, size_t bytes, size_t cap);  // registered.cpp
+  // registered.cpp: growing the channel's pool
+  bool grow_pool(Channel& ch, const c10::Device& device, size_t need);
+  void agree_on_growth(const c10::Device& device, size_t n, size_t bytes, size_t cap);
   // Decoupled mode's arena (decoupled.hpp) runs its one-sided ops as this group's collectives:
   // under its lock, on its channel, with its sequence numbers and counters.
   friend class DecoupledArena;

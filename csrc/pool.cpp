@@ -51,7 +51,7 @@ void RegisteredPool::prune(std::vector<Hazard>& hazards) {
 }
 
 size_t RegisteredPool::allocate(size_t bytes) {
-  const size_t need = std::max<size_t>((bytes + kAlign - 1) / kAlign * kAlign, kAlign);
+  const size_t need = footprint(bytes);
   std::lock_guard<std::mutex> lk(mu_);
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second.size < need) continue;

@@ -15,6 +15,7 @@
 // (StreamOrder: the caching allocator's rule, which FSDP2 relies on).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -35,6 +36,10 @@ class RegisteredPool {
     std::function<void(void* stream, const std::shared_ptr<void>& event)> wait;
   };
   static constexpr size_t kAlign = 256;
+  // What a block of `bytes` takes from the pool.
+  static size_t footprint(size_t bytes) {
+    return std::max<size_t>((bytes + kAlign - 1) / kAlign * kAlign, kAlign);
+  }
 
   explicit RegisteredPool(int rank, StreamOrder order = {});
 

@@ -79,6 +79,41 @@ void OdcBackend::agree_on_growth(const c10::Device& device, size_t n, size_t byt
   }
 }
 
+// No room for `need` bytes: grow the pool by an arena (collective), unless that would pass
+// ODC_POOL_BYTES. The ranks' pools evolve alike (the same sizes allocated and freed in the
+// same order), so every rank grows at this same allocation. Under mu_.
+bool OdcBackend::grow_pool(Channel& ch, const c10::Device& device, size_t need) {
+  RegisteredPool& pool = *ch.pool;
+  const bool cuda = device.is_cuda();
+  const size_t cap = options_->pool_bytes_for(cuda);
+  const size_t held = pool.bytes();
+  if (held + need > cap) return false;
+  const size_t grow = std::min(cap - held,  // >= need, a multiple of kAlign
+                               std::max(need, cuda ? kPoolStepCuda : kPoolStepCpu)) /
+                      RegisteredPool::kAlign * RegisteredPool::kAlign;
+  int arena = 0;
+  // A growth that fails leaves the ranks' pools (and arenas) apart: the group is unusable.
+  try {
+    agree_on_growth(device, pool.arenas(), grow, cap);
+    try {
+      arena = ch.transport->create_arena(grow);  // collective
+    } catch (const std::exception& e) {
+      C10_THROW_ERROR(DistBackendError,
+                      cat("odc: allocate_tensor: growing registered memory by ", grow,
+                          " bytes failed (a lower ODC_POOL_BYTES keeps the rest on the staged "
+                          "path): ", e.what()));
+    }
+  } catch (const c10::DistBackendError& e) {
+    broken_ = e.what_without_backtrace();
+    throw;
+  }
+  std::vector<char*> bases;
+  for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
+  pool.add_arena(std::move(bases), grow);
+  count(Stat::RegisteredPoolBytes, grow);
+  return true;
+}
+
 at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
   const c10::Device device = options.device();
   ODC_CHECK(size >= 0, ValueError, "odc: allocate_tensor: negative size ", size);
@@ -97,37 +132,7 @@ at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
     }
     pool = ch.pool;
     if (pool) off = pool->allocate(bytes);
-    // No room: grow by an arena (collective). The ranks' pools evolve alike (the same sizes
-    // allocated and freed in the same order), so every rank grows at this same allocation.
-    const bool cuda = device.is_cuda();
-    const size_t cap = options_->pool_bytes_for(cuda);
-    const size_t need = std::max<size_t>((bytes + RegisteredPool::kAlign - 1) /
-                                             RegisteredPool::kAlign * RegisteredPool::kAlign,
-                                         RegisteredPool::kAlign);
-    if (pool && off == SIZE_MAX && pool->bytes() + need <= cap) {
-      const size_t grow = std::min(cap - pool->bytes(),  // >= need, a multiple of kAlign
-                                   std::max(need, cuda ? kPoolStepCuda : kPoolStepCpu)) /
-                          RegisteredPool::kAlign * RegisteredPool::kAlign;
-      int arena = 0;
-      // A growth that fails leaves the ranks' pools (and arenas) apart: the group is unusable.
-      try {
-        agree_on_growth(device, pool->arenas(), grow, cap);
-        try {
-          arena = ch.transport->create_arena(grow);  // collective
-        } catch (const std::exception& e) {
-          C10_THROW_ERROR(DistBackendError,
-                          cat("odc: allocate_tensor: growing registered memory by ", grow,
-                              " bytes failed (a lower ODC_POOL_BYTES keeps the rest on the staged "
-                              "path): ", e.what()));
-        }
-      } catch (const c10::DistBackendError& e) {
-        broken_ = e.what_without_backtrace();
-        throw;
-      }
-      std::vector<char*> bases;
-      for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
-      pool->add_arena(std::move(bases), grow);
-      count(Stat::RegisteredPoolBytes, grow);
+    if (off == SIZE_MAX && pool && grow_pool(ch, device, RegisteredPool::footprint(bytes))) {
       off = pool->allocate(bytes);
     }
   }

@@ -47,10 +47,10 @@ def watch_fsdp_modules(device_types: tuple[str, ...] = ("cpu", "cuda")) -> None:
     """``ODC_FSDP_REGISTERED_MEMORY`` (called as an odc group is made): at its first forward,
     before FSDP2 allocates anything for it, every FSDP2 module on one of ``device_types``
     whose all-gathers and reduce-scatters run on odc with FSDP2's default communication takes
-    its buffers from registered memory, as after ``use_registered_memory``. PyTorch's public global forward
-    pre-hook finds the modules; it and the optimizer-step hook that removes it go at the first
-    optimizer step, so later forwards pay nothing (a model first run after that keeps the
-    staged path unless ``use_registered_memory`` is called). Idempotent."""
+    its buffers from registered memory, as after ``use_registered_memory``. PyTorch's public
+    global forward pre-hook finds the modules; it and the optimizer-step hook that removes it
+    go at the first optimizer step, so later forwards pay nothing (a model first run after
+    that keeps the staged path unless ``use_registered_memory`` is called). Idempotent."""
     if _WATCH:
         return
     from torch.distributed.fsdp import FSDPModule

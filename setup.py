@@ -21,6 +21,7 @@ HOST_SOURCES = [
     "csrc/rendezvous.cpp",
     "csrc/transport_shm.cpp",
     "csrc/protocol.cpp",
+    "csrc/protocol_zero_copy.cpp",
     "csrc/arena.cpp",
     "csrc/pool.cpp",
     "csrc/channel.cpp",
@@ -39,7 +40,8 @@ CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csr
                 "csrc/cuda/watchdog.cpp", "csrc/cuda/fused_engine.cpp", "csrc/cuda/copy_engine.cpp",
                 "csrc/cuda/signals.cpp", "csrc/cuda/puts.cpp", "csrc/cuda/kernels.cu",
                 "csrc/cuda/wait_kernels.cu", "csrc/cuda/reduce_kernels.cu", "csrc/cuda/fused_kernel.cu",
-                "csrc/cuda/accumulate_kernel.cu",
+                "csrc/cuda/accumulate_kernel.cu", "csrc/cuda/located_kernels.cu",
+                "csrc/cuda/segment_table.cpp",
                 "csrc/cuda/cuda_device_work.cpp", "csrc/cuda/cuda_setup.cpp"]
 HOST_ONLY_SOURCES = ["csrc/host_only.cpp"]  # in a build without CUDA, in place of the CUDA sources
 

@@ -212,7 +212,7 @@ def measure(ctx: BenchContext, op: str, nbytes: int, skip: set) -> list[dict]:
     times, host = _time_interleaved(ctx, fns, backends, k)
     engines = {}  # odc's engine for one more call, as the backend reports it (every rank calls)
     for b in backends:
-        if ctx.cuda and b in ("odc", "odc_nocheck", "odc_staged_push", "odc_registered"):
+        if ctx.cuda and b in ("odc", "odc_nocheck", "odc_staged", "odc_staged_push", "odc_registered"):
             engines[b] = engine_of(ctx, b, fns[b])
     rows = []
     for b in backends:

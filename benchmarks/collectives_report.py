@@ -96,7 +96,8 @@ def _odc_summary(by: dict, cuda: bool) -> dict:
     """odc per size: the zero-copy path where it was measured (odc_staged then holds the staged
     path's), else the staged one."""
     primary = "odc_registered" if _has(by, "odc_registered") else "odc"
-    s = {"odc_path": "registered (zero-copy)" if primary == "odc_registered" else "staged"}
+    s = {"odc_path": "registered (zero-copy)" if primary == "odc_registered"
+         else "plain tensors (read in place once mapped: ODC_ZERO_COPY)" if cuda else "staged"}
     if not _has(by, primary):
         return s
     s.update(_odc_per_size(by, primary, cuda))
@@ -253,10 +254,11 @@ def plot_results(json_path: str | os.PathLike, png_path: str | os.PathLike | Non
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     styles = {"odc": dict(color="tab:red", marker="o"), "odc_nvshmem": dict(color="tab:green", marker="^"),
               "odc_staged_push": dict(color="tab:orange", marker="v"),
+              "odc_staged": dict(color="tab:brown", marker="<"),
               "odc_registered": dict(color="tab:purple", marker="D"),
               ref: dict(color="tab:blue", marker="s"), "nccl_registered": dict(color="tab:cyan", marker="x"),
               "floor": dict(color="black", linestyle="--", marker=".")}
-    backends = [b for b in ("odc", "odc_staged_push", "odc_registered", "odc_nvshmem", ref, "nccl_registered",
+    backends = [b for b in ("odc", "odc_staged", "odc_staged_push", "odc_registered", "odc_nvshmem", ref, "nccl_registered",
                             "floor") if any(r["backend"] == b for r in rows)]
     all_sizes = sorted({r["size_bytes"] for r in rows})
     for ax, op in zip(axes, OPS):

@@ -67,7 +67,7 @@ def create_context(args) -> BenchContext:
     nvshmem = _init_nvshmem(args, world)
     ref_pg = _reference_group(dist, ref, cuda, timeout)
     groups = _compared_groups(dist, args, ref, ref_pg, use_odc, device, timeout)
-    order = [b for b in ("odc", "odc_staged_push", "odc_registered", "odc_nvshmem", ref, "nccl_registered")
+    order = [b for b in ("odc", "odc_staged", "odc_staged_push", "odc_registered", "odc_nvshmem", ref, "nccl_registered")
              if b in groups]
     ctx = BenchContext(
         args=args, torch=torch, dist=dist, cuda=cuda, device=device, rank=rank, world=world,
@@ -132,6 +132,10 @@ def _compared_groups(dist, args, ref: str, ref_pg, use_odc: bool, device, timeou
         # this group's peers all go through NVSHMEM, the default group's stay peer-to-peer
         groups["odc_nvshmem"] = _with_env("ODC_TRANSPORT", "nvshmem", lambda: dist.new_group(
             backend="cpu:gloo,cuda:odc", timeout=timeout))
+    if use_odc and args.staged:  # every tensor staged through the rings (no zero-copy)
+        groups["odc_staged"] = _with_env("ODC_ZERO_COPY", "0", lambda: dist.new_group(
+            backend="cpu:gloo,cuda:odc" if device.type == "cuda" else "cpu:odc",
+            timeout=timeout))
     if use_odc and args.staged_push:  # staged all-gathers pushed into the peers' landing rings
         groups["odc_staged_push"] = _with_env("ODC_STAGED_AG_PUSH", "1", lambda: dist.new_group(
             backend="cpu:gloo,cuda:odc" if device.type == "cuda" else "cpu:odc",
@@ -171,6 +175,8 @@ def _process_group_notes(ctx: BenchContext, odc_default_pg: str | None) -> dict:
                    else f"new_group(backend={ref!r})")}
     if "odc_nvshmem" in ctx.groups:
         notes["odc_nvshmem"] = "new_group(backend='cpu:gloo,cuda:odc') created under ODC_TRANSPORT=nvshmem"
+    if "odc_staged" in ctx.groups:
+        notes["odc_staged"] = "new_group(backend=odc) created under ODC_ZERO_COPY=0"
     if "odc_staged_push" in ctx.groups:
         notes["odc_staged_push"] = "new_group(backend=odc) created under ODC_STAGED_AG_PUSH=1"
     if "odc_registered" in ctx.groups:

@@ -247,6 +247,21 @@ uint64_t OdcBackend::issue_path(Channel& ch, const Path& path, bool ag, const at
                                 RedOp red_op, uint64_t seq) {
   const size_t elem = in.element_size();
   const int world = getSize();
+  if (path.way == Path::Way::Direct) {
+    // The owner's choice for its own input: in place where every peer has it mapped.
+    const uint64_t where = ch.transport->locate(in.data_ptr(), ag ? per_rank : in.numel() * elem);
+    count(Stat::DirectOps, 1);
+    if (where) count(Stat::DirectInPlaceOps, 1);
+    const uint64_t d = desc(ag ? OpKind::AllGatherDirect : OpKind::ReduceScatterDirect, in, per_rank,
+                            red_op, !ag);
+    if (ag) {
+      ch.protocol->all_gather_direct(out.data_ptr(), in.data_ptr(), per_rank, where, seq, d);
+      return per_rank * world;
+    }
+    ch.protocol->reduce_scatter_direct(out.data_ptr(), in.data_ptr(), out.numel(), elem, spec, where,
+                                       seq, d);
+    return in.numel() * elem;
+  }
   if (path.way == Path::Way::Staged) {
     if (ag && options_->staged_ag_push) {
       // Pushed through the landing rings: an exchange whose every pair carries this rank's
@@ -383,6 +398,8 @@ const char* stat_name(Stat s) {
       "registered_fallbacks",
       "registered_pool_bytes",
       "all_gather_push_ops",
+      "direct_ops",
+      "direct_in_place_ops",
       "fused_ops",
       "fused_blocks",
       "copy_engine_ops",

@@ -63,6 +63,8 @@ enum class Stat : int {
   RegisteredFallbacks,
   RegisteredPoolBytes,
   AllGatherPushOps,
+  DirectOps,
+  DirectInPlaceOps,
   FusedOps,
   FusedBlocks,
   CopyEngineOps,
@@ -221,7 +223,9 @@ class OdcBackend final : public c10d::Backend {
   // How one tensor of an all-gather or reduce-scatter moves: decided by path_of, the same on
   // every rank (from what every rank sees alike), then issued by issue_path.
   struct Path {
-    enum class Way { Staged, Registered, RegisteredPush } way = Way::Staged;
+    // Direct: memory allocated anywhere, each input read in place once the peers map it
+    // (Protocol::all_gather_direct), on transports that do (ODC_ZERO_COPY).
+    enum class Way { Staged, Registered, RegisteredPush, Direct } way = Way::Staged;
     // Registered: every rank's input (pull, reduce-scatter) or output (push) as this GPU
     // reaches it, and the buffer's place in the pool (checked by the peers).
     std::vector<const char*> at;

@@ -74,6 +74,7 @@ void bind_options(BackendClass& backend) {
       .def_readwrite("stream_memops", &O::stream_memops, "ODC_STREAM_MEMOPS")
       .def_readwrite("ag_push", &O::ag_push, "ODC_AG_PUSH (-1: auto)")
       .def_readwrite("staged_ag_push", &O::staged_ag_push, "ODC_STAGED_AG_PUSH")
+      .def_readwrite("zero_copy", &O::zero_copy, "ODC_ZERO_COPY")
       .def_readwrite("transport", &O::transport, "ODC_TRANSPORT")
       .def_readwrite("host_size", &O::host_size, "ODC_HOST_SIZE (0: hosts by name only)")
       .def("splits_hosts", &O::splits_hosts, py::arg("global_a"), py::arg("global_b"),

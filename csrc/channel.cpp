@@ -70,6 +70,7 @@ void set_cuda_transport(Channel& ch, const TransportArgs& a, const Options& o) {
             " needs a build with NVSHMEM (ODC_WITH_NVSHMEM=1 python setup.py build_ext)");
   t.nvshmem_stage_always = o.nvshmem_stage_always;
   t.routed = p.routed;
+  t.zero_copy = o.zero_copy && !t.nvshmem;  // every peer over CUDA IPC
   ch.transport = make_cuda_transport(a, t);
   ch.async_stream = take_async_stream(device);
   ch.shares_device = p.shares_gpu();

@@ -25,6 +25,7 @@ struct CudaTransportOptions {
   bool stream_memops = true;  // waits and signals as stream memory operations
   int ranks_on_gpu = 1;       // the group's ranks on this GPU (their kernels share its SMs)
   bool peers_on_other_gpus = false;  // some peer's memory is across NVLink
+  bool zero_copy = false;     // direct collectives (ODC_ZERO_COPY; every peer mapped)
   // Windows and arenas in NVSHMEM's heap (routed[r]: peer r through NVSHMEM's API) instead
   // of CUDA IPC memory; pes[r] is group rank r's PE (its global rank).
   bool nvshmem = false;

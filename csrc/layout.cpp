@@ -54,6 +54,8 @@ const char* kind_name(OpKind kind) {
     case OpKind::ReduceScatterRegistered: return "reduce_scatter (registered memory)";
     case OpKind::AllGatherRegisteredPush: return "all_gather (registered memory, pushed)";
     case OpKind::AllGatherPut: return "all_gather (pushed into landing rings)";
+    case OpKind::AllGatherDirect: return "all_gather (direct)";
+    case OpKind::ReduceScatterDirect: return "reduce_scatter (direct)";
   }
   return "unknown collective";
 }

@@ -25,7 +25,8 @@ size_t dtype_size(DType d);
 // rank that runs one while a peer runs the staged form is another collective to the peer.
 enum class OpKind : int {
   AllGather = 1, ReduceScatter, AllReduce, Broadcast, AllToAll, Scatter, Gather,
-  AllGatherRegistered, ReduceScatterRegistered, AllGatherRegisteredPush, AllGatherPut
+  AllGatherRegistered, ReduceScatterRegistered, AllGatherRegisteredPush, AllGatherPut,
+  AllGatherDirect, ReduceScatterDirect
 };
 const char* kind_name(OpKind kind);  // "all_gather", "all_gather (registered memory)"
 uint64_t op_desc(OpKind kind, int scalar_type, uint64_t bytes, int red_op, int root = 0);
@@ -49,6 +50,26 @@ struct RegisteredId {
     return (number & 0xFFFFF) << 44 | (offset & ((uint64_t{1} << 44) - 1));
   }
   static RegisteredId decode(uint64_t w) { return {w & ((uint64_t{1} << 44) - 1), w >> 44}; }
+};
+
+// Where the input of a direct collective (Protocol::all_gather_direct) lies, as its owner
+// stores it in each reader's window before its "ready": in the owner's allocator segment
+// `slot` of generation `gen` (SegmentTable: the readers have it mapped), `offset` bytes in; or,
+// with `mapped` clear, round by round in the owner's window (the staged fallback).
+//   bit 63: mapped   bits 51-62: slot   bits 40-50: generation (low 11 bits)   bits 0-39: offset
+constexpr int kSegmentSlots = 1024;  // allocator segments a rank shares at once
+struct Location {
+  bool mapped = false;
+  uint32_t slot = 0;
+  uint64_t gen = 0;
+  uint64_t offset = 0;
+  static constexpr uint64_t kGenMask = 0x7FF;
+  static constexpr uint64_t kOffsetMask = (uint64_t{1} << 40) - 1;
+  uint64_t encode() const {
+    if (!mapped) return 0;
+    return uint64_t{1} << 63 | (uint64_t{slot} & 0xFFF) << 51 | (gen & kGenMask) << 40 |
+           (offset & kOffsetMask);
+  }
 };
 
 // Every collective a rank starts is *announced* to each peer before its first transfer:
@@ -104,9 +125,10 @@ struct WindowLayout {
   // Ring collectives: AgReady/AgAck (AG ring), RsReady/RsFree (landing rings). Registered
   // (zero-copy) collectives: RegReady[ring][peer] (the peer's input is ready for its n-th
   // registered collective on that ring) and RegDone[ring][peer] (the peer has read this
-  // rank's input of it); ring 0 all-gathers, ring 1 reduce-scatters.
+  // rank's input of it); ring 0 all-gathers, ring 1 reduce-scatters. Direct collectives use
+  // the same counters and store the peer's Location word in RegAgWhere / RegRsWhere[peer].
   enum Flag : int { AgReady = 0, AgAck, RsReady, RsFree, RegAgReady, RegAgDone, RegRsReady,
-                    RegRsDone, kNumFlagArrays };
+                    RegRsDone, RegAgWhere, RegRsWhere, kNumFlagArrays };
   enum Desc : int { AgDesc = 0, RsDesc, RegAgDesc, RegRsDesc, kNumDescArrays };
 
   WindowLayout() = default;

@@ -82,6 +82,10 @@ struct Options final : c10d::Backend::Options {
   // landing rings (an exchange) instead of letting them get it from this rank's
   // all-gather ring
   bool staged_ag_push = false;
+  // ODC_ZERO_COPY: all-gathers and reduce-scatters of CUDA tensors from anywhere (the caching
+  // allocator's included) read each rank's input where it lies, once every peer has mapped its
+  // segment (Protocol::all_gather_direct); off: through the rings (the staged path)
+  bool zero_copy = true;
   TransportKind transport = TransportKind::Auto;  // ODC_TRANSPORT
   int host_size = 0;  // ODC_HOST_SIZE: global ranks per host (g, h on one iff g / n == h / n)
   bool match_check = true;  // ODC_MATCH_CHECK: peers check each collective's descriptor

@@ -66,6 +66,19 @@ class Protocol {
   void reduce_scatter_registered(void* out, const std::vector<const char*>& in_at,
                                  size_t out_numel, size_t elem_size, const ReduceSpec& spec,
                                  RegisteredId id, uint64_t op_seq, uint64_t desc = 0);
+  // Direct forms, for memory allocated anywhere (Transport::reads_in_place): each rank's
+  // input is read where it lies when every peer has its allocator segment mapped, else staged
+  // through its own window in rounds of slots * chunk_bytes. The owner of an input alone
+  // decides (`where`: its Transport::locate word, 0 to stage) and says so in the Location word
+  // it stores with its "ready"; the readers' copies take their source from that word on the
+  // device, so their hosts need no peer address and the ranks cannot disagree. Counters and
+  // completion are the registered forms': a round is one registered number, and a call
+  // completes once every peer is done reading this rank's input.
+  void all_gather_direct(void* out, const void* in, size_t shard_bytes, uint64_t where,
+                         uint64_t op_seq, uint64_t desc = 0);
+  void reduce_scatter_direct(void* out, const void* in, size_t out_numel, size_t elem_size,
+                             const ReduceSpec& spec, uint64_t where, uint64_t op_seq,
+                             uint64_t desc = 0);
   // root's `bytes` of buf to every rank, through root's AG ring (a get from the root).
   void broadcast(void* buf, size_t bytes, int root, uint64_t op_seq, uint64_t desc = 0);
   // Point to point over the landing rings: send[p] bytes at in + send_off[p] to each rank
@@ -119,6 +132,10 @@ class Protocol {
   void registered_done(int ring, int lane, const std::vector<int>& peers, uint64_t number);
   void registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
                          const WaitSite& site);
+  // A direct collective's rounds for `bytes` per peer (at least one), and the first part of
+  // its owner side: the Location word and descriptor stored, "ready" for `ready` rounds.
+  uint64_t direct_rounds(size_t bytes) const;
+  void direct_ready(int ring, uint64_t where, RegisteredId id, uint64_t desc, uint64_t ready);
 
   int rank_;
   int world_;

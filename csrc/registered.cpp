@@ -20,6 +20,7 @@ OdcBackend::Path OdcBackend::path_of(Channel& ch, bool ag, const at::Tensor& in,
   // whole output. Other tensors in registered memory (views of it, such as FSDP2's
   // gradients) take the staged path: whether a view is registered can differ between ranks.
   Path path;
+  if (ch.transport && ch.transport->reads_in_place()) path.way = Path::Way::Direct;  // unless registered
   const RegisteredPool* pool = ch.pool.get();
   const int rank = getRank(), world = getSize();
   const size_t whole = per_rank * world;

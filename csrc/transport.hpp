@@ -78,6 +78,32 @@ class Transport {
   // dst[i] = spec.scale * sum_j srcs[j][i]
   virtual void reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                       size_t numel, const ReduceSpec& spec) = 0;
+  // ---- Direct collectives (Protocol::all_gather_direct): inputs read where their owners
+  // say, in memory the caller allocated anywhere. A located source is decided on the device,
+  // after the wait for its owner's "ready": the owner's Location word at `where` (in this
+  // rank's window) names its allocator segment, mapped here (the source is then that mapping
+  // + the word's offset + `offset`), or says "staged" (the source is `staged`, in the owner's
+  // window). `where` null: `staged` is the source (this rank's own input).
+  struct Located {
+    const uint64_t* where = nullptr;
+    int owner = 0;
+    const char* staged = nullptr;
+    size_t offset = 0;
+  };
+  // Whether this transport runs direct collectives (ODC_ZERO_COPY, every peer mapped).
+  virtual bool reads_in_place() const { return false; }
+  // The owner's side: the Location word of `bytes` at `p` if every peer can read them there,
+  // else 0 (stage them). A first sight of p's segment shares it: the peers map it at their
+  // next operation, and a later call finds it readable.
+  virtual uint64_t locate(const void* p, size_t bytes) { return 0; }
+  virtual void copy_located(int lane, void* dst, const Located& src, size_t bytes) {
+    unsupported("direct collectives");
+  }
+  // dst[i] = combine of srcs[j][i] in order (reduce's semantics); srcs[j]'s owner is j.
+  virtual void reduce_located(int lane, void* dst, const std::vector<Located>& srcs,
+                              size_t numel, const ReduceSpec& spec) {
+    unsupported("direct collectives");
+  }
   // Bracket one collective on `ring` (0: all-gather, 1: reduce-scatter): a device
   // transport forks its peer lanes from the operation's stream and joins them back
   // at the end, and orders the operation after the previous one on the same ring

@@ -79,9 +79,10 @@ ShmTransport::ShmTransport(const TransportArgs& args) : a_(args) {
   maps_ = map_segments("shm", a_.layout.total);
 }
 
-std::vector<char*> ShmTransport::map_segments(const std::string& tag, size_t bytes) {
-  std::vector<char*> maps(a_.world, nullptr);
-  const std::string name = unique_segment_name(a_.rank);
+std::vector<char*> map_host_segments(const TransportArgs& a, const std::string& tag, size_t bytes,
+                                     std::vector<pid_t>* pids) {
+  std::vector<char*> maps(a.world, nullptr);
+  const std::string name = unique_segment_name(a.rank);
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw std::runtime_error(errno_text("shm_open of the window failed"));
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
@@ -105,17 +106,17 @@ std::vector<char*> ShmTransport::map_segments(const std::string& tag, size_t byt
     shm_unlink(name.c_str());
     throw std::runtime_error(errno_text("mmap of the window failed"));
   }
-  maps[a_.rank] = static_cast<char*>(p);
+  maps[a.rank] = static_cast<char*>(p);
 
   const std::string mine = std::to_string(getpid()) + " " + name;
-  auto all = exchange_blobs(a_, tag, std::vector<uint8_t>(mine.begin(), mine.end()));
-  pids_.resize(a_.world);
-  for (int r = 0; r < a_.world; ++r) {
+  auto all = exchange_blobs(a, tag, std::vector<uint8_t>(mine.begin(), mine.end()));
+  if (pids) pids->resize(a.world);
+  for (int r = 0; r < a.world; ++r) {
     const std::string blob(all[r].begin(), all[r].end());  // "<pid> <segment name>"
     const size_t space = blob.find(' ');
-    pids_[r] = static_cast<pid_t>(std::strtol(blob.c_str(), nullptr, 10));
+    if (pids) (*pids)[r] = static_cast<pid_t>(std::strtol(blob.c_str(), nullptr, 10));
     const std::string peer_name = space == std::string::npos ? "" : blob.substr(space + 1);
-    if (r == a_.rank) continue;
+    if (r == a.rank) continue;
     int pfd = shm_open(peer_name.c_str(), O_RDWR, 0600);
     if (pfd < 0) {
       throw std::runtime_error(errno_text("could not open the window of rank ") +
@@ -128,9 +129,13 @@ std::vector<char*> ShmTransport::map_segments(const std::string& tag, size_t byt
   }
   // Once everyone has mapped it, the name can go: the memory lives while mapped,
   // and nothing is left behind in /dev/shm if a process dies.
-  store_barrier(a_, tag + "_mapped");
+  store_barrier(a, tag + "_mapped");
   shm_unlink(name.c_str());
   return maps;
+}
+
+std::vector<char*> ShmTransport::map_segments(const std::string& tag, size_t bytes) {
+  return map_host_segments(a_, tag, bytes, &pids_);
 }
 
 int ShmTransport::create_arena(size_t bytes) {

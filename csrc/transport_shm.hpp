@@ -8,9 +8,17 @@
 
 #include <sys/types.h>
 
+#include <string>
+#include <vector>
+
 #include "rendezvous.hpp"
 
 namespace odc {
+
+// Create this rank's POSIX shared-memory segment of `bytes` (zeroed) and map every rank's
+// (collective: `tag` names the rendezvous in the store); pids: every rank's process id.
+std::vector<char*> map_host_segments(const TransportArgs& a, const std::string& tag, size_t bytes,
+                                     std::vector<pid_t>* pids = nullptr);
 
 class ShmTransport final : public Transport {
  public:

@@ -86,6 +86,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("ODC_STAGED_AG_PUSH", _flag, "staged_ag_push",
          "all-gathers on the staged path put each chunk into the peers' landing rings (1) instead "
          "of the peers getting it from this rank's ring (0)"),
+    Knob("ODC_ZERO_COPY", _flag, "zero_copy",
+         "all-gathers and reduce-scatters of CUDA tensors read each rank's input where it lies, "
+         "wherever it was allocated, once the peers have its memory mapped (1); 0: staged through "
+         "the rings"),
     Knob("ODC_TRANSPORT", _choice({"auto": TransportKind.AUTO, "nvshmem": TransportKind.NVSHMEM,
                                    "ipc": TransportKind.CUDA_IPC}, "auto, ipc or nvshmem"),
          "transport", "CUDA peers over auto (other hosts: NVSHMEM where built, else the inner NCCL "

@@ -116,6 +116,16 @@ void CudaTransport::issue_step(const Step& s, std::vector<uint64_t*>& sigs,
       srcs.assign(ptrs_.begin() + s.first, ptrs_.begin() + s.first + s.n);
       issue_reduce(s.lane, s.dst, srcs, s.value, s.spec);
       break;
+    case kStepReduceLocated: {
+      srcs.assign(ptrs_.begin() + s.first, ptrs_.begin() + s.first + s.n);
+      const std::vector<const void*> where(ptrs_.begin() + s.first + s.n,
+                                           ptrs_.begin() + s.first + 2 * s.n);
+      issue_reduce(s.lane, s.dst, srcs, s.value, s.spec, &where, s.desc_id, &s.site);
+      break;
+    }
+    case kStepCopyLocated:
+      issue_copy_located(s);
+      break;
     case kStepAccumulate:  // never to a routed peer: refused when the arena is created
       issue_prepare(s.lane);
       check(launch_accumulate(static_cast<float*>(s.dst), s.src, s.value, s.spec.dtype,
@@ -209,7 +219,9 @@ void CudaTransport::issue_copy(int lane, void* dst, const void* src, size_t byte
 }
 
 void CudaTransport::issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs,
-                                    size_t numel, const ReduceSpec& spec) {
+                                    size_t numel, const ReduceSpec& spec,
+                                    const std::vector<const void*>* where, uint64_t located_offset,
+                                    const WaitSite* site) {
   issue_prepare(lane);
   ReduceOpArgs r{};
   r.n_src = static_cast<int>(srcs.size());
@@ -217,6 +229,15 @@ void CudaTransport::issue_reduce(int lane, void* dst, const std::vector<const vo
   for (int i = 0; i < r.n_src; ++i) {
     r.src[i] = srcs[i];
     aligned = aligned && reinterpret_cast<uintptr_t>(srcs[i]) % 16 == 0;
+  }
+  if (where) {  // located sources: their words decide on the device (kernels.cuh)
+    for (int i = 0; i < r.n_src; ++i) r.where[i] = static_cast<const uint64_t*>((*where)[i]);
+    r.segments = segments_->views();
+    r.located_offset = located_offset;
+    r.err = err_dev_;
+    r.op_seq = site->op_seq;
+    r.op = site->op;
+    aligned = aligned && located_offset % 16 == 0;
   }
   r.dst = dst;
   r.numel = numel;
@@ -231,6 +252,23 @@ void CudaTransport::issue_reduce(int lane, void* dst, const std::vector<const vo
   ce_reduce_blocks_ = std::max(ce_reduce_blocks_, reduce_grid(numel, reduce_blocks_));
   check(launch_reduce(r, spec.dtype, spec.combine, reduce_blocks_, bulk, lane_stream(lane)),
         "launching the reduction");
+}
+
+// A located copy: an SM kernel of ODC_REDUCE_BLOCKS blocks at most (its source is known only
+// on the device, after the owner's "ready").
+void CudaTransport::issue_copy_located(const Step& s) {
+  issue_prepare(s.lane);
+  LocatedCopyOp op{};
+  op.dst = s.dst;
+  op.src = LocatedSrc{reinterpret_cast<const uint64_t*>(s.desc), static_cast<const char*>(s.src),
+                      s.desc_id, s.n};
+  op.bytes = s.value;
+  op.segments = segments_->views();
+  op.err = err_dev_;
+  op.op_seq = s.site.op_seq;
+  op.op = s.site.op;
+  ce_reduce_blocks_ = std::max(ce_reduce_blocks_, reduce_blocks_);
+  check(launch_located_copy(op, reduce_blocks_, lane_stream(s.lane)), "launching a located copy");
 }
 
 }  // namespace odc

@@ -53,6 +53,7 @@ CudaTransport::CudaTransport(const TransportArgs& args, const CudaTransportOptio
   check(cudaMalloc(reinterpret_cast<void**>(&arrivals_), arrival_bytes), "allocating the fused kernel's counters");
   check(cudaMemset(arrivals_, 0, arrival_bytes), "zeroing the fused kernel's counters");
   bases_ = memory_->open(a_, "ipc", a_.layout.total, "communication window");
+  if (o.zero_copy) segments_ = std::make_unique<SegmentTable>(a_, device_);
   check(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(DeviceError),
                       cudaHostAllocMapped),
         "allocating the error record");
@@ -188,6 +189,10 @@ void CudaTransport::begin_op(void* stream, Ring ring) {
   steps_.clear();
   ptrs_.clear();
   peers_.clear();
+  if (segments_) {  // the peers' segments shared since the last operation (host work only)
+    DeviceGuard g(device_);
+    segments_->refresh();
+  }
 }
 
 // ---- Recording: the protocol's calls become steps, run at end_op.
@@ -239,6 +244,33 @@ void CudaTransport::reduce(int lane, void* dst, const std::vector<const void*>& 
   Step s{kStepReduce, lane, static_cast<int>(ptrs_.size()), static_cast<int>(srcs.size()),
          numel, 0, 0, dst, nullptr, spec, {}};
   ptrs_.insert(ptrs_.end(), srcs.begin(), srcs.end());
+  peers_.resize(ptrs_.size(), -1);
+  steps_.push_back(s);
+}
+
+uint64_t CudaTransport::locate(const void* p, size_t bytes) {
+  return segments_ ? segments_->locate(p, bytes) : 0;
+}
+
+void CudaTransport::copy_located(int lane, void* dst, const Located& src, size_t bytes) {
+  // The site of the wait before it (the owner's "ready") names the operation in an error.
+  const WaitSite site = steps_.empty() ? WaitSite{} : steps_.back().site;
+  Step s{kStepCopyLocated, lane, 0, src.owner, bytes, reinterpret_cast<uint64_t>(src.where),
+         src.offset, dst, src.staged, {}, site};
+  steps_.push_back(s);
+}
+
+void CudaTransport::reduce_located(int lane, void* dst, const std::vector<Located>& srcs,
+                                   size_t numel, const ReduceSpec& spec) {
+  // The staged (or own) sources, then their words (null: the source itself); one offset.
+  const WaitSite site = steps_.empty() ? WaitSite{} : steps_.back().site;
+  Step s{kStepReduceLocated, lane, static_cast<int>(ptrs_.size()), static_cast<int>(srcs.size()),
+         numel, 0, 0, dst, nullptr, spec, site};
+  for (const Located& l : srcs) {
+    ptrs_.push_back(l.staged);
+    if (l.where) s.desc_id = l.offset;
+  }
+  for (const Located& l : srcs) ptrs_.push_back(l.where);
   peers_.resize(ptrs_.size(), -1);
   steps_.push_back(s);
 }

@@ -39,6 +39,7 @@
 #include "../rendezvous.hpp"
 #include "device_memory.hpp"
 #include "kernels.cuh"
+#include "segment_table.hpp"
 
 namespace odc {
 
@@ -75,6 +76,11 @@ class CudaTransport final : public Transport {
                  uint64_t* done) override;
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
               const ReduceSpec& spec) override;
+  bool reads_in_place() const override { return segments_ != nullptr; }
+  uint64_t locate(const void* p, size_t bytes) override;
+  void copy_located(int lane, void* dst, const Located& src, size_t bytes) override;
+  void reduce_located(int lane, void* dst, const std::vector<Located>& srcs, size_t numel,
+                      const ReduceSpec& spec) override;
   void begin_op(void* stream, Ring ring) override;
   void also_on(Ring ring) override { also_ = ring; }
   int create_arena(size_t bytes) override;
@@ -184,7 +190,9 @@ class CudaTransport final : public Transport {
   void fork_lane(int lane);
   void issue_copy(int lane, void* dst, const void* src, size_t bytes);
   void issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
-                    const ReduceSpec& spec);
+                    const ReduceSpec& spec, const std::vector<const void*>* where = nullptr,
+                    uint64_t located_offset = 0, const WaitSite* site = nullptr);
+  void issue_copy_located(const Step& s);
   // A flag kernel on the lane: its pending signals, then (if any) the waits of `wait`.
   void launch_flags(int lane, const Step* wait);
 
@@ -253,6 +261,8 @@ class CudaTransport final : public Transport {
   cudaStream_t wd_stream_ = nullptr;
   DeviceError* err_host_ = nullptr;
   DeviceError* err_dev_ = nullptr;
+  // Direct collectives (ODC_ZERO_COPY): the segments this rank and its peers share.
+  std::unique_ptr<SegmentTable> segments_;
 };
 
 }  // namespace odc

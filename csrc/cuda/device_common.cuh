@@ -42,7 +42,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 
 // The group's first failure wins: fill the record, then publish its code (the host reads
 // the fields once it sees the code). 1: a wait timed out, 2: a descriptor mismatch, 3: a
-// peer announced another collective (kernels.cuh, DeviceError).
+// peer announced another collective, 4: a segment not mapped here (kernels.cuh, DeviceError).
 __device__ void record_error(DeviceError* err_ptr, int code, int peer, unsigned long long op_seq,
                              const char* op, const char* what, unsigned long long mine,
                              unsigned long long theirs, unsigned long long target,
@@ -106,6 +106,75 @@ __device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
   return false;
 }
 
+// Transport::Located on the device (after the wait for the owner's "ready", which ordered the
+// owner's Location word before it): the source the word names, or null where this GPU has no
+// mapping of the segment it names (recorded as code 4: the owner only names segments its peers
+// acknowledged, so this is a bug, never a race; nothing is read).
+__device__ const char* resolve_located(const uint64_t* where, int owner, const char* staged,
+                                       unsigned long long offset, const SegmentView* segments,
+                                       DeviceError* err, unsigned long long op_seq, const char* op) {
+  const uint64_t w = load_acquire(where);
+  if (!(w >> 63)) return staged;
+  const unsigned slot = static_cast<unsigned>((w >> 51) & 0xFFF);
+  const unsigned long long gen = (w >> 40) & Location::kGenMask;
+  const volatile SegmentView* v = segments + static_cast<size_t>(owner) * kSegmentSlots + slot;
+  const char* base = v->base;
+  const unsigned long long have = v->gen;
+  if (base == nullptr || (have & Location::kGenMask) != gen) {
+    record_error(err, 4, owner, op_seq, op, "a mapping of the memory of", gen, have, slot, 0);
+    return nullptr;
+  }
+  return base + (w & Location::kOffsetMask) + offset;
+}
+
+// Copy `bytes` with the whole block, in the widest unit both pointers allow.
+template <typename U, int kUnrollCopy>
+__device__ __forceinline__ void block_copy_units(char* dst, const char* src, size_t n_units) {
+  const U* s = reinterpret_cast<const U*>(src);
+  U* d = reinterpret_cast<U*>(dst);
+  const size_t step = static_cast<size_t>(blockDim.x) * kUnrollCopy;
+  size_t i = threadIdx.x;
+  for (; i + (kUnrollCopy - 1) * blockDim.x < n_units; i += step) {
+    U v[kUnrollCopy];
+#pragma unroll
+    for (int r = 0; r < kUnrollCopy; ++r) v[r] = s[i + r * blockDim.x];
+#pragma unroll
+    for (int r = 0; r < kUnrollCopy; ++r) d[i + r * blockDim.x] = v[r];
+  }
+  for (; i < n_units; i += blockDim.x) d[i] = s[i];
+}
+
+__device__ void block_copy(void* dst_v, const void* src_v, size_t bytes) {
+  char* dst = static_cast<char*>(dst_v);
+  const char* src = static_cast<const char*>(src_v);
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  size_t done;
+  if (mis % 16 == 0) {
+    block_copy_units<uint4, 8>(dst, src, bytes / 16);
+    done = bytes / 16 * 16;
+  } else if (mis % 8 == 0) {
+    block_copy_units<uint2, 8>(dst, src, bytes / 8);
+    done = bytes / 8 * 8;
+  } else if (mis % 4 == 0) {
+    block_copy_units<uint32_t, 8>(dst, src, bytes / 4);
+    done = bytes / 4 * 4;
+  } else if (mis % 2 == 0) {
+    block_copy_units<uint16_t, 8>(dst, src, bytes / 2);
+    done = bytes / 2 * 2;
+  } else {
+    done = 0;
+  }
+  for (size_t i = done + threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+}
+
+// [begin, end) of `units` units, part `part` of `parts`: whole multiples of `align` units.
+__device__ __forceinline__ void slice_of(size_t units, size_t align, int part, int parts,
+                                         size_t* begin, size_t* end) {
+  const size_t per = ((units + align - 1) / align + parts - 1) / parts * align;
+  *begin = min(units, per * part);
+  *end = min(units, *begin + per);
+}
+
 template <typename T> __device__ __forceinline__ float to_f(T v);
 template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
@@ -138,6 +207,7 @@ cudaError_t preload_wait_kernels();
 cudaError_t preload_fused_kernel();
 void resolve_fused_launch(int device);
 cudaError_t preload_accumulate_kernels();
+cudaError_t preload_located_kernels();
 cudaError_t preload_reduce_kernels(int device);
 
 }  // namespace odc

@@ -21,8 +21,8 @@ bool CudaTransport::fusable() {
   }
   for (const Step& s : steps_) {
     if (s.kind == kStepAccumulate || s.kind == kStepZero) return false;
-    if (s.kind == kStepCopy && s.value > small_op_bytes_) return false;
-    if (s.kind == kStepReduce &&
+    if ((s.kind == kStepCopy || s.kind == kStepCopyLocated) && s.value > small_op_bytes_) return false;
+    if ((s.kind == kStepReduce || s.kind == kStepReduceLocated) &&
         (s.value * dtype_size(s.spec.dtype) > small_op_bytes_ || s.spec.combine != Combine::Sum ||
          static_cast<int>(s.spec.dtype) > static_cast<int>(DType::F16))) {
       return false;  // the fused kernel sums fp32 / bf16 / fp16 only
@@ -41,9 +41,11 @@ bool CudaTransport::plan_fused_blocks() {
   size_t bytes[kFusedMaxLanes] = {};  // fusable() checked world <= kFusedMaxLanes
   bool has_steps[kFusedMaxLanes] = {};
   for (const Step& s : steps_) {
-    const size_t b = s.kind == kStepCopy     ? s.value
-                     : s.kind == kStepReduce ? s.value * dtype_size(s.spec.dtype) * s.n
-                                             : 0;
+    const bool copy = s.kind == kStepCopy || s.kind == kStepCopyLocated;
+    const bool reduce = s.kind == kStepReduce || s.kind == kStepReduceLocated;
+    const size_t b = copy     ? s.value
+                     : reduce ? s.value * dtype_size(s.spec.dtype) * s.n
+                              : 0;
     if (b && !bytes[s.lane]) ++lanes_with_data;
     bytes[s.lane] = std::max(bytes[s.lane], b);
     has_steps[s.lane] = true;
@@ -67,6 +69,7 @@ void CudaTransport::run_fused() {
   op.err = err_dev_;
   op.watch_slots = watch_.slots;
   op.watch_word = watch_.word;
+  op.segments = segments_ ? segments_->views() : nullptr;
   // Steps grouped by lane, in issue order, except that in a run of signals and stores the
   // stores go first: the run then costs one fence (Transport::signal / store's contract).
   std::vector<const Step*> order;

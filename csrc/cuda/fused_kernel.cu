@@ -7,46 +7,6 @@ namespace {
 
 // ---- The fused kernel (a collective in one launch; kernels.cuh, FusedOp).
 
-// Copy `bytes` with the whole block, in the widest unit both pointers allow.
-template <typename U, int kUnrollCopy>
-__device__ __forceinline__ void block_copy_units(char* dst, const char* src, size_t n_units) {
-  const U* s = reinterpret_cast<const U*>(src);
-  U* d = reinterpret_cast<U*>(dst);
-  const size_t step = static_cast<size_t>(blockDim.x) * kUnrollCopy;
-  size_t i = threadIdx.x;
-  for (; i + (kUnrollCopy - 1) * blockDim.x < n_units; i += step) {
-    U v[kUnrollCopy];
-#pragma unroll
-    for (int r = 0; r < kUnrollCopy; ++r) v[r] = s[i + r * blockDim.x];
-#pragma unroll
-    for (int r = 0; r < kUnrollCopy; ++r) d[i + r * blockDim.x] = v[r];
-  }
-  for (; i < n_units; i += blockDim.x) d[i] = s[i];
-}
-
-__device__ void block_copy(void* dst_v, const void* src_v, size_t bytes) {
-  char* dst = static_cast<char*>(dst_v);
-  const char* src = static_cast<const char*>(src_v);
-  const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
-  size_t done;
-  if (mis % 16 == 0) {
-    block_copy_units<uint4, 8>(dst, src, bytes / 16);
-    done = bytes / 16 * 16;
-  } else if (mis % 8 == 0) {
-    block_copy_units<uint2, 8>(dst, src, bytes / 8);
-    done = bytes / 8 * 8;
-  } else if (mis % 4 == 0) {
-    block_copy_units<uint32_t, 8>(dst, src, bytes / 4);
-    done = bytes / 4 * 4;
-  } else if (mis % 2 == 0) {
-    block_copy_units<uint16_t, 8>(dst, src, bytes / 2);
-    done = bytes / 2 * 2;
-  } else {
-    done = 0;
-  }
-  for (size_t i = done + threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
-}
-
 // dst[begin, end) = scale * sum_j src[j][begin, end) with the whole block, fp32 in source
 // order (as reduce_kernel). begin is a multiple of 8 elements (of 16 bytes for the 2-byte types).
 template <typename T>
@@ -81,14 +41,6 @@ __device__ void block_reduce(void* dst_v, const void* const* srcs, int n_src, si
   }
 }
 
-// [begin, end) of `units` units, part `part` of `parts`: whole multiples of `align` units.
-__device__ __forceinline__ void slice_of(size_t units, size_t align, int part, int parts,
-                                         size_t* begin, size_t* end) {
-  const size_t per = ((units + align - 1) / align + parts - 1) / parts * align;
-  *begin = min(units, per * part);
-  *end = min(units, *begin + per);
-}
-
 // The last of a lane's `parts` blocks to arrive at its signal point `point` returns true
 // (one thread per block calls it, after a __syncthreads). Release / acquire at GPU scope:
 // what every arrived block did is ordered before the last one's later stores, and so
@@ -105,7 +57,8 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, int parts) {
 // and reductions, and checked waits (a block still reading a peer's descriptor must not let the
 // peer overwrite it).
 __device__ __forceinline__ bool needs_all_blocks(const FusedStep& s) {
-  return s.kind == kStepCopy || s.kind == kStepReduce || (s.kind == kStepWait && s.desc != 0);
+  return s.kind == kStepCopy || s.kind == kStepReduce || s.kind == kStepCopyLocated ||
+         s.kind == kStepReduceLocated || (s.kind == kStepWait && s.desc != 0);
 }
 
 // A signal point of a lane: the run of stores (payloads, first: run_fused orders them so) and
@@ -149,9 +102,9 @@ __device__ __forceinline__ int signal_point(const FusedOp& op, int lane, int i, 
 }
 
 // This block's part of a reduction step (sums of fp32 / bf16 / fp16 only: fusable()).
-__device__ __forceinline__ void reduce_step(const FusedOp& op, const FusedStep& s, int part, int parts) {
+__device__ __forceinline__ void reduce_step(const FusedStep& s, const void* const* srcs, int part,
+                                            int parts) {
   const float scale = s.scale_ptr ? *s.scale_ptr : s.scale;
-  const void* const* srcs = op.ptrs + s.first;
   size_t b, e;  // multiples of 8 elements: 16-byte vectors of every fused dtype
   slice_of(s.value, 8, part, parts, &b, &e);
   switch (static_cast<DType>(s.dtype)) {
@@ -164,6 +117,7 @@ __device__ __forceinline__ void reduce_step(const FusedOp& op, const FusedStep& 
 
 __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_constant__ FusedOp op) {
   __shared__ int failed, leave;
+  __shared__ const void* located[kMaxPeers];  // a located step's sources, resolved
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const uint64_t start = global_ns();
@@ -204,9 +158,36 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
         break;
       }
       case kStepReduce:
-        reduce_step(op, s, part, parts);
+        reduce_step(s, op.ptrs + s.first, part, parts);
         __syncthreads();  // a following copy or signal sees the whole result
         break;
+      case kStepCopyLocated:
+      case kStepReduceLocated: {  // the sources, from their owners' words (one thread each)
+        const bool copy = s.kind == kStepCopyLocated;
+        const int n = copy ? 1 : s.n;
+        if (threadIdx.x < n) {
+          const int k = s.first + threadIdx.x;
+          const uint64_t* where = copy ? reinterpret_cast<const uint64_t*>(s.desc)
+                                       : static_cast<const uint64_t*>(op.ptrs[k + s.n]);
+          const char* staged = static_cast<const char*>(copy ? s.src : op.ptrs[k]);
+          const int owner = copy ? s.n : threadIdx.x;
+          located[threadIdx.x] = where ? resolve_located(where, owner, staged, s.desc_id, op.segments,
+                                                         op.err, op.op_seq, op.op)
+                                       : staged;
+          if (!located[threadIdx.x]) failed = 1;
+        }
+        __syncthreads();
+        if (failed) return;  // recorded; nothing is read
+        if (copy) {
+          size_t b, e;
+          slice_of(s.value, 16, part, parts, &b, &e);
+          block_copy(static_cast<char*>(s.dst) + b, static_cast<const char*>(located[0]) + b, e - b);
+        } else {
+          reduce_step(s, located, part, parts);
+        }
+        __syncthreads();  // every thread is done with `located` before a next step refills it
+        break;
+      }
       default:  // accumulate / zero steps are never fused
         break;
     }

@@ -15,7 +15,9 @@ namespace odc {
 // from this rank's; read by the host (mapped memory).
 struct DeviceError {
   int code;  // 0: none, 1: a wait timed out, 2: a descriptor mismatch, 3: a peer announced
-             // another collective at this point (mine / theirs: the announcements)
+             // another collective at this point (mine / theirs: the announcements), 4: a peer
+             // named a segment not mapped here (mine / theirs: its generation and ours; target:
+             // the slot)
   int peer;
   unsigned long long op_seq;
   unsigned long long target;  // timeout: the counter value waited for, and the one seen;
@@ -86,14 +88,51 @@ struct PutSignalOp {
   int n;
 };
 
+// A peer's allocator segment as this GPU reaches it (SegmentTable keeps one per peer and slot,
+// in pinned host memory the kernels read): its mapping here and its generation (0: none).
+struct SegmentView {
+  const char* base;
+  unsigned long long gen;
+};
+
+// Transport::Located on the device: after the wait for its owner's "ready", the owner's Location
+// word at `where` says whether the source is the owner's segment (its mapping here, at the
+// word's offset plus `offset`) or `staged` (resolve_located, device_common.cuh).
+struct LocatedSrc {
+  const uint64_t* where;
+  const char* staged;
+  unsigned long long offset;
+  int owner;
+};
+
+// A located copy on the copy-engine path: an SM kernel (a copy engine needs its source when
+// the copy is enqueued).
+struct LocatedCopyOp {
+  void* dst;
+  LocatedSrc src;
+  unsigned long long bytes;
+  const SegmentView* segments;  // [world][kSegmentSlots]
+  DeviceError* err;
+  unsigned long long op_seq;
+  const char* op;
+};
+
 struct ReduceOpArgs {
   const void* src[kMaxPeers];
+  // Located sources (Transport::reduce_located): where[j] set, src j is located (its owner is j,
+  // src[j] its staged address, located_offset past the owner's word's offset); null: src[j].
+  const uint64_t* where[kMaxPeers];
+  const SegmentView* segments;
+  unsigned long long located_offset;
+  DeviceError* err;
+  unsigned long long op_seq;
+  const char* op;
   int n_src;
   void* dst;
   size_t numel;
   double scale;            // Sum of floats (in the accumulation type: fp32, or fp64 for float64)
   const float* scale_ptr;  // overrides `scale` when set (device pointer)
-  bool vectorized;         // every pointer 16-byte aligned
+  bool vectorized;         // every pointer 16-byte aligned (located ones: checked again on the device)
 };
 
 // A collective as one kernel: each lane's blocks run that lane's steps in order with SM
@@ -102,9 +141,12 @@ struct ReduceOpArgs {
 // its copies and reductions; at a signal point after data the last of them to arrive (a
 // counter in `arrivals`) stores the point's payloads and counters and becomes the lane's
 // leader, which signals the points without data (kernels.cu). (kStepAccumulate and kStepZero
-// run on the copy-engine path only, never fused.)
+// run on the copy-engine path only, never fused.) The located steps (Transport::copy_located,
+// reduce_located): a copy keeps its LocatedSrc in desc (where), src (staged), desc_id (offset)
+// and n (owner); a reduction has its n staged sources, then their n `where` words (null: the
+// source itself), in ptrs, and the offset in desc_id.
 enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce, kStepAccumulate, kStepZero,
-                         kStepStore };
+                         kStepStore, kStepCopyLocated, kStepReduceLocated };
 
 struct FusedStep {
   uint8_t kind;
@@ -144,6 +186,7 @@ struct FusedOp {
   unsigned short lane_begin[kFusedMaxLanes + 1];   // the lane's steps
   unsigned short block_begin[kFusedMaxLanes + 1];  // the lane's blocks (the grid: block_begin[lanes])
   unsigned* arrivals;  // kFusedArrivalsPerOp zeroed counters, left zeroed (lanes of several blocks)
+  const SegmentView* segments;  // the located steps' peers' segments
   int lanes;
   unsigned long long timeout_ns;
   unsigned long long op_seq;
@@ -175,6 +218,8 @@ cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine
                           bool bulk, cudaStream_t stream);
 // The blocks launch_reduce runs a reduction of `numel` elements on, at most `blocks`.
 int reduce_grid(size_t numel, int blocks);
+// A located copy with `blocks` blocks (at most; fewer for a small copy).
+cudaError_t launch_located_copy(const LocatedCopyOp& op, int blocks, cudaStream_t stream);
 // dst[i] += src[i] with system-scope atomics (dst may be a peer's memory; other GPUs add
 // into it concurrently); src in `dtype`, dst fp32.
 cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType dtype, int blocks,

@@ -6,16 +6,42 @@
 namespace odc {
 namespace {
 
+// The sources into `s` (shared memory), located ones resolved (ReduceOpArgs::where): 1 where
+// every pointer is 16-byte aligned, 0 where not, -1 where a source has no mapping here
+// (recorded: nothing may be read).
+__device__ int load_sources(const ReduceOpArgs& a, const void** s) {
+  __shared__ int vec;
+  if (threadIdx.x < a.n_src) {
+    const int j = threadIdx.x;
+    s[j] = a.where[j] ? resolve_located(a.where[j], j, static_cast<const char*>(a.src[j]),
+                                        a.located_offset, a.segments, a.err, a.op_seq, a.op)
+                      : a.src[j];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uintptr_t mis = reinterpret_cast<uintptr_t>(a.dst);
+    bool all = true;
+    for (int j = 0; j < a.n_src; ++j) {
+      all = all && s[j] != nullptr;
+      mis |= reinterpret_cast<uintptr_t>(s[j]);
+    }
+    vec = !all ? -1 : (a.vectorized && mis % 16 == 0 ? 1 : 0);
+  }
+  __syncthreads();
+  return vec;
+}
+
 // The vectors from `from_vec` on, then (when unaligned) the elements: one per thread,
 // strided by the grid, in source order (the two reduce kernels' remainders).
 template <typename T, Combine C>
-__device__ __forceinline__ void reduce_rest(const ReduceOpArgs& a, size_t from_vec, size_t tid,
-                                            size_t threads, typename AccOf<T>::type scale, bool scaled) {
+__device__ __forceinline__ void reduce_rest(const ReduceOpArgs& a, const void* const* srcs, bool vectorized,
+                                            size_t from_vec, size_t tid, size_t threads,
+                                            typename AccOf<T>::type scale, bool scaled) {
   using A = typename AccOf<T>::type;
   constexpr int V = 16 / sizeof(T);
   union U { uint4 raw; T e[V]; };
-  const size_t nvec = a.vectorized ? a.numel / V : 0;
-  const uint4* const* src = reinterpret_cast<const uint4* const*>(a.src);
+  const size_t nvec = vectorized ? a.numel / V : 0;
+  const uint4* const* src = reinterpret_cast<const uint4* const*>(srcs);
   uint4* dst = static_cast<uint4*>(a.dst);
   auto finish = [&](A v) { return from_acc<T, A>(scaled ? static_cast<A>(v * scale) : v); };
   for (size_t i = from_vec + tid; i < nvec; i += threads) {  // the vectors left over
@@ -34,9 +60,9 @@ __device__ __forceinline__ void reduce_rest(const ReduceOpArgs& a, size_t from_v
     dst[i] = u.raw;
   }
   for (size_t i = nvec * V + tid; i < a.numel; i += threads) {  // elements, when unaligned
-    A acc = to_acc<T, A>(static_cast<const T*>(a.src[0])[i]);
+    A acc = to_acc<T, A>(static_cast<const T*>(srcs[0])[i]);
     for (int j = 1; j < a.n_src; ++j) {
-      acc = combine<C>(acc, to_acc<T, A>(static_cast<const T*>(a.src[j])[i]));
+      acc = combine<C>(acc, to_acc<T, A>(static_cast<const T*>(srcs[j])[i]));
     }
     static_cast<T*>(a.dst)[i] = finish(acc);
   }
@@ -55,6 +81,9 @@ constexpr int kReduceThreads = 512;
 // requested for launch" on H100); the compiler spills there instead.
 template <typename T, Combine C>
 __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceOpArgs a) {
+  __shared__ const void* srcs[kMaxPeers];
+  const int vectorized = load_sources(a, srcs);
+  if (vectorized < 0) return;
   using A = typename AccOf<T>::type;
   const A scale = a.scale_ptr ? static_cast<A>(*a.scale_ptr) : static_cast<A>(a.scale);
   const bool scaled = C == Combine::Sum && (a.scale_ptr != nullptr || a.scale != 1.0);
@@ -62,8 +91,8 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceOpArgs a) 
   union U { uint4 raw; T e[V]; };
   const size_t threads = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t nvec = a.vectorized ? a.numel / V : 0;
-  const uint4* const* src = reinterpret_cast<const uint4* const*>(a.src);
+  const size_t nvec = vectorized ? a.numel / V : 0;
+  const uint4* const* src = reinterpret_cast<const uint4* const*>(srcs);
   uint4* dst = static_cast<uint4*>(a.dst);
   auto finish = [&](A v) { return from_acc<T, A>(scaled ? static_cast<A>(v * scale) : v); };
   // Groups of kUnroll vectors, strided by the grid: vector (base + u * threads).
@@ -102,7 +131,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceOpArgs a) 
       dst[base + r * threads] = u[0][r].raw;
     }
   }
-  reduce_rest<T, C>(a, full, tid, threads, scale, scaled);
+  reduce_rest<T, C>(a, srcs, vectorized, full, tid, threads, scale, scaled);
 }
 
 // ---- The floating-point Sum (the gradients' reductions) through the TMA engine.
@@ -126,13 +155,17 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_bulk_kernel(ReduceOpArg
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char tiles[];  // [stage][source][chunk]
   __shared__ __align__(8) unsigned long long landed[kPipeStages];  // an mbarrier per stage
+  __shared__ const void* srcs[kMaxPeers];
+  const int vectorized = load_sources(a, srcs);
+  if (vectorized < 0) return;
   const float scale = a.scale_ptr ? *a.scale_ptr : static_cast<float>(a.scale);
   const bool scaled = a.scale_ptr != nullptr || a.scale != 1.0;
   constexpr int V = 16 / sizeof(T);
   union U { uint4 raw; T e[V]; };
   const int n = a.n_src;
   const size_t tile_vecs = chunk / 16;
-  const size_t n_tiles = a.numel / V / tile_vecs;  // launched for vectorized inputs only
+  // (launched where the host found the inputs aligned; a located one found unaligned: no tiles)
+  const size_t n_tiles = vectorized ? a.numel / V / tile_vecs : 0;
   const size_t mine = blockIdx.x < n_tiles ? (n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   auto tile_of = [&](size_t i) { return blockIdx.x + i * gridDim.x; };
   auto slot = [&](size_t i, int j) {
@@ -144,7 +177,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_bulk_kernel(ReduceOpArg
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n * chunk)
                  : "memory");
     for (int j = 0; j < n; ++j) {
-      const char* from = static_cast<const char*>(a.src[j]) + tile_of(i) * chunk;
+      const char* from = static_cast<const char*>(srcs[j]) + tile_of(i) * chunk;
       asm volatile(
           "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
               smem_addr(slot(i, j))),
@@ -194,7 +227,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_bulk_kernel(ReduceOpArg
       fetch(i + kPipeStages);
     }
   }
-  reduce_rest<T, Combine::Sum>(a, n_tiles * tile_vecs, blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x,
+  reduce_rest<T, Combine::Sum>(a, srcs, vectorized, n_tiles * tile_vecs, blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x,
                                static_cast<size_t>(gridDim.x) * blockDim.x, scale, scaled);
 #endif
 }
@@ -276,7 +309,7 @@ cudaError_t preload_reduce_kernels(int device) {
   int major = 0, optin = 0;
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  const int smem = major >= 9 ? std::min(kPipeBytes, optin - 1024) : 0;  // 1 KiB: the static barriers
+  const int smem = major >= 9 ? std::min(kPipeBytes, optin - 1024) : 0;  // 1 KiB: the static barriers and sources
   for (DType d : {DType::F32, DType::BF16, DType::F16}) {
     if (e == cudaSuccess && smem > 0) {
       e = cudaFuncSetAttribute(bulk_kernel_of(d), cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

@@ -127,7 +127,12 @@ std::string CudaTransport::async_error() {
   const char* what = e->what;
   WaitSite site{op ? op : "collective", what ? what : "a counter of", e->op_seq};
   const std::string text =
-      code == 3   ? describe_announced(site, a_.rank, e->peer, e->mine, e->theirs)
+      code == 4   ? "odc: " + std::string(site.op) + " (collective #" + std::to_string(site.op_seq) +
+                      ") on rank " + std::to_string(a_.rank) + ": rank " + std::to_string(e->peer) +
+                      " named its memory segment " + std::to_string(e->target) + " (generation " +
+                      std::to_string(e->mine) + "), which this rank has not mapped (it has generation " +
+                      std::to_string(e->theirs) + "); nothing was read"
+      : code == 3 ? describe_announced(site, a_.rank, e->peer, e->mine, e->theirs)
       : code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs, e->target, e->seen)
                   : describe_wait(site, e->peer, e->target, e->seen, a_.timeout());
   return text + " (detected on the GPU; results of this and later collectives are invalid)";

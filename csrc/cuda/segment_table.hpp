@@ -1,0 +1,86 @@
+// Layer 2, a transport's shared memory of the caller's (direct collectives, protocol.hpp): the
+// allocator segments a rank's inputs lie in, mapped by its peers. Depends on the transport set-up
+// (../rendezvous.hpp) and the kernels' view of a segment (kernels.cuh).
+//
+// Each rank has a table in host shared memory that every peer maps. The owner of an input looks
+// up the allocation it lies in (cuPointerGetAttributes: its range and its buffer id, unique in
+// the process) and, at first sight, writes the allocation's IPC handle under a slot and a new
+// generation. Each peer, at its next operation, opens every new entry, writes the mapping where
+// its kernels look (SegmentView, pinned host memory) and then acknowledges (slot, generation) in
+// its own table. The owner reads an input in place only once every peer acknowledged it; until
+// then it stages it (Protocol::all_gather_direct), so no host ever waits for another.
+// An entry ends when the caching allocator frees its segment (its trace hook, as
+// ProcessGroupNCCL's registration hook) or when another allocation is found at its address (a
+// new buffer id); its peers close their mapping at their next operation. A segment is freed only
+// after the collectives that read it completed, and an owner's collective completes only after
+// every reader said it is done: a mapping is never closed while read, never read once closed.
+// Memory that cannot be shared this way (expandable segments, a pool of another allocator) is
+// remembered and always staged.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "../rendezvous.hpp"
+#include "kernels.cuh"
+
+namespace odc {
+
+class SegmentTable {
+ public:
+  SegmentTable(const TransportArgs& a, int device);  // collective (maps every rank's table)
+  ~SegmentTable();
+  SegmentTable(const SegmentTable&) = delete;
+  SegmentTable& operator=(const SegmentTable&) = delete;
+
+  // The owner: the Location word (layout.hpp) of `bytes` at `p` where every peer has its
+  // segment mapped, else 0 (shared now if new; a later call finds it mapped).
+  uint64_t locate(const void* p, size_t bytes);
+  // Before each operation: map the peers' new segments, close the ended ones, acknowledge.
+  void refresh();
+  // [world][kSegmentSlots], for the kernels.
+  const SegmentView* views() const { return views_; }
+  // The caching allocator returned the segment at `base` of `device` to the driver.
+  static void segment_freed(int device, uintptr_t base);
+
+ private:
+  struct Entry {  // in the owner's table
+    std::atomic<uint64_t> word;  // generation << 1 | live (0: never used)
+    uint64_t bytes;
+    cudaIpcMemHandle_t handle;
+  };
+  struct Export {  // an allocation this rank shares
+    int slot;  // -1: it cannot be shared
+    uint64_t gen;
+    unsigned long long buffer_id;
+  };
+  struct Mapping {  // a peer's entry as this rank has it
+    char* ptr = nullptr;
+    uint64_t gen = 0;
+    uint64_t failed = 0;  // the generation whose opening failed (not retried)
+  };
+  std::atomic<uint64_t>& version(int rank);  // bumped after every change of its entries
+  Entry& entry(int rank, int slot);
+  std::atomic<uint64_t>& acked(int reader, int owner, int slot);
+  void end_export(uintptr_t base);  // mu_ held
+  void refresh_owner(int owner);
+
+  TransportArgs a_;
+  int device_;
+  size_t entries_at_ = 0, acked_at_ = 0, bytes_ = 0;  // the shared table's layout
+  std::vector<char*> tables_;                          // every rank's, mapped here
+  std::mutex mu_;  // the owner's state (the allocator's hook comes from any thread)
+  std::unordered_map<uintptr_t, Export> exports_;
+  std::vector<int> free_slots_;
+  std::vector<uint64_t> gens_;                 // per slot: its last generation
+  std::vector<std::vector<Mapping>> mapped_;   // [owner][slot]
+  std::vector<uint64_t> seen_;                 // per owner: the version last read
+  SegmentView* views_ = nullptr;
+};
+
+}  // namespace odc

@@ -1,0 +1,271 @@
+// Layer 3, protocol and arena: the zero-copy forms of the protocol (protocol.hpp): registered
+// collectives (inputs in registered memory, at the same place of every rank's pool) and direct
+// ones (inputs anywhere, read where their owners say).
+#include <algorithm>
+#include <vector>
+
+#include "protocol.hpp"
+
+namespace odc {
+
+// ---- Registered (zero-copy) collectives: the rank's input is read where it lies.
+
+namespace {
+constexpr WindowLayout::Flag kRegReady[2] = {WindowLayout::RegAgReady, WindowLayout::RegRsReady};
+constexpr WindowLayout::Flag kRegDone[2] = {WindowLayout::RegAgDone, WindowLayout::RegRsDone};
+constexpr WindowLayout::Desc kRegDesc[2] = {WindowLayout::RegAgDesc, WindowLayout::RegRsDesc};
+constexpr WindowLayout::Flag kRegWhere[2] = {WindowLayout::RegAgWhere, WindowLayout::RegRsWhere};
+}  // namespace
+
+void Protocol::registered_ready(int ring, RegisteredId id, uint64_t desc) {
+  std::vector<uint64_t*> ready, descs;
+  for (int p : others_) {
+    ready.push_back(flag_in(p, kRegReady[ring], rank_));
+    descs.push_back(desc_in(p, kRegDesc[ring], rank_, id.number - 1));
+  }
+  if (desc) store_desc(0, descs, desc, id.encode());
+  t_->signal(0, ready, id.number);
+}
+
+DescCheck Protocol::registered_check(int ring, const std::vector<int>& peers, RegisteredId id,
+                                    uint64_t desc) {
+  DescCheck check{{}, desc, id.encode()};  // every peer's buffer lies where this rank's does
+  for (int p : peers) check.descs.push_back(desc_in(rank_, kRegDesc[ring], p, id.number - 1));
+  return check;
+}
+
+void Protocol::registered_wait_ready(int ring, int lane, const std::vector<int>& peers,
+                                     RegisteredId id, uint64_t desc, const WaitSite& site) {
+  std::vector<const uint64_t*> ready;
+  for (int p : peers) ready.push_back(flag_in(rank_, kRegReady[ring], p));
+  const DescCheck check = registered_check(ring, peers, id, desc);
+  t_->wait(lane, ready, peers, id.number, site, desc ? &check : nullptr);
+}
+
+void Protocol::registered_done(int ring, int lane, const std::vector<int>& peers,
+                               uint64_t number) {
+  std::vector<uint64_t*> at;
+  for (int p : peers) at.push_back(flag_in(p, kRegDone[ring], rank_));
+  t_->signal(lane, at, number);
+}
+
+void Protocol::registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
+                                 const WaitSite& site) {
+  std::vector<const uint64_t*> done;
+  for (int p : peers) done.push_back(flag_in(rank_, kRegDone[ring], p));
+  t_->wait(0, done, peers, number, site);
+}
+
+void Protocol::all_gather_registered(void* out, const std::vector<const char*>& in_at,
+                                     size_t shard_bytes, RegisteredId id, uint64_t op_seq,
+                                     uint64_t desc) {
+  char* out_b = static_cast<char*>(out);
+  char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
+  announce(desc);
+  if (world_ > 1) {
+    id.number = ++registered_[0];
+    registered_ready(0, id, desc);
+    for (int i = 1; i < world_; ++i) {  // each peer on its lane
+      const int p = (rank_ + i) % world_;
+      registered_wait_ready(0, i, only_[p], id, desc, {"all_gather", "the input of", op_seq});
+      if (shard_bytes) t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes, in_at[p], shard_bytes);
+      registered_done(0, i, only_[p], id.number);
+    }
+  }
+  if (my_part != in_at[rank_] && shard_bytes) t_->copy(0, my_part, in_at[rank_], shard_bytes);
+  if (world_ > 1) {
+    registered_finish(0, others_, id.number, {"all_gather", "the reads of this rank's input by", op_seq});
+  }
+}
+
+void Protocol::all_gather_pushed(void* out, const void* in, const std::vector<const char*>& out_at,
+                                 size_t shard_bytes, RegisteredId id, uint64_t op_seq,
+                                 uint64_t desc) {
+  const size_t mine = static_cast<size_t>(rank_) * shard_bytes;  // this rank's part of an output
+  char* my_part = static_cast<char*>(out) + mine;
+  announce(desc);
+  if (world_ > 1) {
+    id.number = ++registered_[0];
+    registered_ready(0, id, desc);
+    for (int i = 1; i < world_; ++i) {  // each peer on its lane: this rank's shard into its output
+      const int p = (rank_ + i) % world_;
+      const DescCheck check = registered_check(0, only_[p], id, desc);
+      t_->put_after(i, flag_in(rank_, kRegReady[0], p), p, id.number,
+                    {"all_gather", "the output of", op_seq}, desc ? &check : nullptr,
+                    const_cast<char*>(out_at[p]) + mine, in, shard_bytes,
+                    flag_in(p, kRegDone[0], rank_));
+    }
+  }
+  if (my_part != in && shard_bytes) t_->copy(0, my_part, in, shard_bytes);
+  if (world_ > 1) {
+    registered_finish(0, others_, id.number,
+                      {"all_gather", "the shard pushed into this rank's output by", op_seq});
+  }
+}
+
+void Protocol::reduce_scatter_registered(void* out, const std::vector<const char*>& in_at,
+                                         size_t out_numel, size_t elem_size,
+                                         const ReduceSpec& spec, RegisteredId id,
+                                         uint64_t op_seq, uint64_t desc) {
+  announce(desc);
+  const size_t part_bytes = out_numel * elem_size;
+  const std::vector<int>& peers = others_;
+  if (world_ > 1) {
+    id.number = ++registered_[1];
+    registered_ready(1, id, desc);
+    registered_wait_ready(1, 0, peers, id, desc, {"reduce_scatter", "the input of", op_seq});
+  }
+  std::vector<const void*> srcs;  // this rank's part of every rank's input, in rank order
+  for (int r = 0; r < world_; ++r) srcs.push_back(in_at[r] + static_cast<size_t>(rank_) * part_bytes);
+  ReduceSpec from_peers = spec;
+  from_peers.reads_peers = world_ > 1;
+  if (out_numel) t_->reduce(0, out, srcs, out_numel, from_peers);
+  if (world_ > 1) {
+    registered_done(1, 0, peers, id.number);
+    registered_finish(1, peers, id.number, {"reduce_scatter", "the reads of this rank's input by", op_seq});
+  }
+}
+
+// ---- Direct collectives: each input read where its owner says (protocol.hpp).
+
+uint64_t Protocol::direct_rounds(size_t bytes) const {
+  const size_t round = layout_.chunk_bytes * layout_.slots;
+  return std::max<uint64_t>(1, (bytes + round - 1) / round);
+}
+
+void Protocol::direct_ready(int ring, uint64_t where, RegisteredId id, uint64_t desc,
+                            uint64_t ready) {
+  std::vector<uint64_t*> at, readies, descs;
+  for (int p : others_) {
+    at.push_back(flag_in(p, kRegWhere[ring], rank_));
+    readies.push_back(flag_in(p, kRegReady[ring], rank_));
+    descs.push_back(desc_in(p, kRegDesc[ring], rank_, id.number - 1));
+  }
+  t_->store(0, at, where);
+  if (desc) store_desc(0, descs, desc, id.encode());
+  t_->signal(0, readies, ready);
+}
+
+void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, uint64_t where,
+                                 uint64_t op_seq, uint64_t desc) {
+  char* out_b = static_cast<char*>(out);
+  const char* in_b = static_cast<const char*>(in);
+  char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
+  announce(desc);
+  const size_t round = layout_.chunk_bytes * layout_.slots;
+  const uint64_t rounds = direct_rounds(shard_bytes);
+  const uint64_t base = registered_[0];
+  auto len_of = [&](uint64_t r) { return std::min(round, shard_bytes - std::min(r * round, shard_bytes)); };
+  if (world_ > 1) {
+    registered_[0] += rounds;
+    const RegisteredId id{0, base + 1};
+    std::vector<const uint64_t*> acks, done;
+    std::vector<uint64_t*> ready;
+    for (int p : others_) {
+      acks.push_back(flag_in(rank_, WindowLayout::AgAck, p));
+      done.push_back(flag_in(rank_, kRegDone[0], p));
+      ready.push_back(flag_in(p, kRegReady[0], rank_));
+    }
+    char* stage = t_->window(rank_) + layout_.ag_ring;
+    // Round-major (each round's staging, then its reads), which keeps the order deadlock-free
+    // when run in sequence: a rank's next staging waits only for reads its peers issued before
+    // they wait for its next round.
+    for (uint64_t r = 0; r < rounds; ++r) {
+      if (where) {
+        if (r == 0) direct_ready(0, where, id, desc, base + rounds);  // it lies in place: all at once
+      } else {
+        // Staged in this rank's all-gather ring: first its readers take what was published there.
+        if (r == 0 && ag_pub_[rank_]) {
+          t_->wait(0, acks, others_, ag_pub_[rank_], {"all_gather", "ring space held by", op_seq});
+        }
+        if (r) t_->wait(0, done, others_, base + r, {"all_gather", "the reads of this rank's input by", op_seq});
+        if (len_of(r)) t_->copy(0, stage, in_b + r * round, len_of(r));
+        if (r == 0) {
+          direct_ready(0, 0, id, desc, base + 1);
+        } else {
+          t_->signal(0, ready, base + r + 1);
+        }
+      }
+      for (int i = 1; i < world_; ++i) {  // each peer on its lane
+        const int p = (rank_ + i) % world_;
+        const DescCheck check = registered_check(0, only_[p], id, desc);
+        t_->wait(i, {flag_in(rank_, kRegReady[0], p)}, only_[p], base + r + 1,
+                 {"all_gather", "the input of", op_seq}, r == 0 && desc ? &check : nullptr);
+        const Transport::Located src{flag_in(rank_, kRegWhere[0], p), p,
+                                     t_->window(p) + layout_.ag_ring, r * round};
+        if (len_of(r)) {
+          t_->copy_located(i, out_b + static_cast<size_t>(p) * shard_bytes + r * round, src, len_of(r));
+        }
+        registered_done(0, i, only_[p], base + r + 1);
+      }
+    }
+  }
+  if (my_part != in_b && shard_bytes) t_->copy(0, my_part, in_b, shard_bytes);
+  if (world_ > 1) {
+    registered_finish(0, others_, base + rounds, {"all_gather", "the reads of this rank's input by", op_seq});
+  }
+}
+
+void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel, size_t elem_size,
+                                     const ReduceSpec& spec, uint64_t where, uint64_t op_seq,
+                                     uint64_t desc) {
+  announce(desc);
+  char* out_b = static_cast<char*>(out);
+  const char* in_b = static_cast<const char*>(in);
+  const size_t part = out_numel * elem_size;
+  if (world_ == 1) {
+    if (out_numel) t_->reduce(0, out, {in}, out_numel, spec);
+    return;
+  }
+  const size_t round = layout_.chunk_bytes * layout_.slots;  // a multiple of 16: of every element
+  const uint64_t rounds = direct_rounds(part);
+  const uint64_t base = registered_[1];
+  registered_[1] += rounds;
+  const RegisteredId id{0, base + 1};
+  const DescCheck check = registered_check(1, others_, id, desc);
+  std::vector<const uint64_t*> ready_here, done;
+  std::vector<uint64_t*> ready;
+  for (int p : others_) {
+    ready_here.push_back(flag_in(rank_, kRegReady[1], p));
+    done.push_back(flag_in(rank_, kRegDone[1], p));
+    ready.push_back(flag_in(p, kRegReady[1], rank_));
+  }
+  ReduceSpec from_peers = spec;
+  from_peers.reads_peers = true;
+  // This rank's part of every rank's input, in rank order: its own in place, the peers' where
+  // they say (staged: the region of this rank's landing rings in their windows).
+  std::vector<Transport::Located> srcs(world_);
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_) continue;
+    srcs[p] = {flag_in(rank_, kRegWhere[1], p), p, t_->window(p) + layout_.rs_slot(rank_, 0), 0};
+  }
+  // Each round on lane 0: this rank's input out (staged: once its readers are done with the
+  // last round), then its part of everyone's reduced. A rank's staging waits only for rounds
+  // its peers finished before they wait for its next one: no two ranks wait for each other.
+  for (uint64_t r = 0; r < rounds; ++r) {
+    const size_t off = r * round;
+    const size_t len = std::min(round, part - std::min(off, part));
+    if (where) {
+      if (r == 0) direct_ready(1, where, id, desc, base + rounds);
+    } else {
+      if (r) t_->wait(0, done, others_, base + r, {"reduce_scatter", "the reads of this rank's input by", op_seq});
+      for (int q : others_) {
+        if (len) t_->copy(0, t_->window(rank_) + layout_.rs_slot(q, 0), in_b + q * part + off, len);
+      }
+      if (r == 0) {
+        direct_ready(1, 0, id, desc, base + 1);
+      } else {
+        t_->signal(0, ready, base + r + 1);
+      }
+    }
+    t_->wait(0, ready_here, others_, base + r + 1, {"reduce_scatter", "the input of", op_seq},
+             r == 0 && desc ? &check : nullptr);
+    srcs[rank_].staged = in_b + rank_ * part + off;
+    for (int p : others_) srcs[p].offset = rank_ * part + off;
+    if (len) t_->reduce_located(0, out_b + off, srcs, len / elem_size, from_peers);
+    registered_done(1, 0, others_, base + r + 1);
+  }
+  registered_finish(1, others_, base + rounds, {"reduce_scatter", "the reads of this rank's input by", op_seq});
+}
+
+}  // namespace odc

@@ -1,0 +1,137 @@
+"""Zero-copy for every CUDA tensor (ODC_ZERO_COPY, on by default): all-gathers and reduce-scatters
+of tensors from PyTorch's caching allocator read each rank's input where it lies once every peer
+has its segment mapped, and stage it until then (Protocol::all_gather_direct).
+
+Results must be bitwise those of the staged path (ODC_ZERO_COPY=0) whichever way each rank's
+input went, with ranks out of step, inputs spanning several staging rounds, memory that cannot be
+shared (expandable segments), and segments freed and allocated again between collectives
+(empty_cache): a peer must never read a segment through an old mapping. GPU only.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import GPU_ENV, cuda_case, run_distributed
+
+BF16, F32 = torch.bfloat16, torch.float32
+# (op, elements per rank, dtype, in place / reduce op): small ones run as the fused kernel,
+# 3 M fp32 (12 MB per rank) on the copy engines' located copies and reductions.
+CASES = [("ag", 1001, BF16, True), ("ag", 4096, F32, False), ("ag", 0, F32, True),
+         ("rs", 1001, F32, dist.ReduceOp.SUM), ("rs", 4096, BF16, dist.ReduceOp.AVG),
+         ("rs", 777, F32, dist.ReduceOp.MAX), ("ag", 3_000_000, F32, True),
+         ("ag", 3_000_000, BF16, False), ("rs", 3_000_000, F32, dist.ReduceOp.SUM)]
+
+
+def _device():
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _inputs(dev, case, seed):
+    op, n, dtype, how = case
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(seed + rank)
+    if op == "ag":
+        out = torch.empty(world * n, dtype=dtype, device=dev)
+        inp = out[rank * n:(rank + 1) * n] if how is True else torch.empty(n, dtype=dtype, device=dev)
+        inp.copy_(torch.randn(n, generator=g).to(dtype))
+        return out, inp
+    inp = torch.randn(world * n, generator=g).to(dtype).to(dev)
+    return torch.empty(n, dtype=dtype, device=dev), inp
+
+
+def _call(case, out, inp, group):
+    if case[0] == "ag":
+        dist.all_gather_into_tensor(out, inp, group=group)
+    else:
+        dist.reduce_scatter_tensor(out, inp, op=case[3], group=group)
+
+
+def _in_place(dev, group):
+    return dict(group._get_backend(dev).stats()).get("direct_in_place_ops", 0)
+
+
+def _worker(rank, world, rounds, skew):
+    dev = _device()
+    os.environ["ODC_ZERO_COPY"] = "0"
+    staged = dist.new_group(list(range(world)))  # its options are read now
+    os.environ.pop("ODC_ZERO_COPY")
+    direct = dist.group.WORLD
+    rng = random.Random(rank)
+    errors, in_place_late = [], []
+    for i, case in enumerate(CASES):
+        out, inp = _inputs(dev, case, 1000 * i)
+        ref = out.clone()
+        _call(case, ref, inp, staged)
+        for r in range(rounds):  # the same buffers: staged at first, then in place
+            if skew:
+                time.sleep(rng.random() * 0.01)  # ranks out of step on the host
+            before = _in_place(dev, direct)
+            if case[0] == "rs" or case[3] is not True:
+                out.fill_(0)  # (in place, the own part is the input)
+            _call(case, out, inp, direct)
+            torch.cuda.synchronize()
+            if not torch.equal(out.view(torch.uint8), ref.view(torch.uint8)):
+                errors.append(f"case {case} round {r}: differs from the staged path")
+            if r == rounds - 1:
+                in_place_late.append(_in_place(dev, direct) - before)
+            dist.barrier()
+    return errors, in_place_late, dict(direct._get_backend(dev).stats())
+
+
+@pytest.mark.parametrize("world,skew", [cuda_case(2, False, id="cuda-2"), cuda_case(4, True, id="cuda-4-skewed")])
+def test_direct_matches_staged_bitwise(world, skew):
+    res = run_distributed(_worker, world, 3, skew, backend="cpu:gloo,cuda:odc", env=dict(GPU_ENV),
+                          timeout_s=60, deadline_s=240)
+    for rank, (errors, in_place_late, stats) in res.items():
+        assert not errors, f"rank {rank}: " + "\n".join(errors)
+        # By the third call every peer has mapped the buffers (their second call did): in place,
+        # except an empty all-gather (no memory to read).
+        assert in_place_late == [0 if c[1] == 0 else 1 for c in CASES], (rank, in_place_late, stats)
+        assert stats["direct_ops"] == 3 * len(CASES), (rank, stats)
+
+
+def _rounds_worker(rank, world):
+    """Inputs of several staging rounds (1 MiB chunks x 2 slots: 2 MiB rounds), staged and in
+    place, with buffers freed and the cache emptied between calls."""
+    dev = _device()
+    os.environ["ODC_ZERO_COPY"] = "0"
+    staged = dist.new_group(list(range(world)))
+    os.environ.pop("ODC_ZERO_COPY")
+    errors = []
+    for step in range(6):
+        n = [1_300_000, 700_000, 2_100_000][step % 3]  # fp32: 5.2, 2.8, 8.4 MB per rank
+        for case in [("ag", n, F32, step % 2 == 0), ("rs", n, F32, dist.ReduceOp.SUM)]:
+            out, inp = _inputs(dev, case, 77 * step)
+            ref = out.clone()
+            _call(case, ref, inp, staged)
+            for _ in range(3):
+                _call(case, out, inp, None)
+            torch.cuda.synchronize()
+            if not torch.equal(out.view(torch.uint8), ref.view(torch.uint8)):
+                errors.append(f"step {step} case {case}: differs from the staged path")
+            del out, inp, ref
+            torch.cuda.empty_cache()  # the segments go back to the driver; new ones may reuse them
+    return errors, dict(dist.group.WORLD._get_backend(dev).stats())
+
+
+@pytest.mark.parametrize("world,alloc_conf", [cuda_case(2, "", id="cuda-2"),
+                                              cuda_case(3, "expandable_segments:True", id="cuda-3-expandable")])
+def test_rounds_and_freed_segments(world, alloc_conf):
+    env = {**GPU_ENV, "ODC_CHUNK_BYTES": "1M", "ODC_RING_SLOTS": "2"}
+    if alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    res = run_distributed(_rounds_worker, world, backend="cpu:gloo,cuda:odc", env=env, timeout_s=60,
+                          deadline_s=240)
+    for rank, (errors, stats) in res.items():
+        assert not errors, f"rank {rank}: " + "\n".join(errors)
+        if alloc_conf:  # expandable segments cannot be shared through CUDA IPC handles: staged
+            assert "direct_in_place_ops" not in stats, (rank, stats)
+        else:
+            assert stats.get("direct_in_place_ops", 0) > 0, (rank, stats)

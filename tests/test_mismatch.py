@@ -44,26 +44,27 @@ def _coalesced_ag(second):
     return call
 
 
-# name: (what the agreeing ranks call, what rank ODD calls, both descriptors' texts)
+# name: (what the agreeing ranks call, what rank ODD calls, both descriptors' texts; without the
+# collective's name, which on GPUs names its path too: "all_gather (direct)")
 CASES = {
     "ag_dtype": (_ag(16, F32), _ag(32, BF16),
-                 ("all_gather of 64 bytes per rank (float32)", "all_gather of 64 bytes per rank (bfloat16)")),
+                 ("of 64 bytes per rank (float32)", "of 64 bytes per rank (bfloat16)")),
     "ag_size": (_ag(8, F32), _ag(16, F32),
-                ("all_gather of 32 bytes per rank (float32)", "all_gather of 64 bytes per rank (float32)")),
+                ("of 32 bytes per rank (float32)", "of 64 bytes per rank (float32)")),
     "ag_empty": (_ag(8, F32), _ag(0, F32),
-                 ("all_gather of 32 bytes per rank", "all_gather of 0 bytes per rank")),
+                 ("of 32 bytes per rank", "of 0 bytes per rank")),
     # several chunks of the ring per call: found at the first
     "ag_size_many_chunks": (_ag(40_000, F32), _ag(50_000, F32),
                             ("160000 bytes per rank", "200000 bytes per rank")),
     "rs_op": (_rs(8, F32, SUM), _rs(8, F32, AVG),
-              ("reduce_scatter of 32 bytes per rank (float32, SUM)",
-               "reduce_scatter of 32 bytes per rank (float32, AVG)")),
+              ("of 32 bytes per rank (float32, SUM)",
+               "of 32 bytes per rank (float32, AVG)")),
     "rs_dtype": (_rs(16, F32, SUM), _rs(32, BF16, SUM),
                  ("(float32, SUM)", "(bfloat16, SUM)")),
     "rs_size": (_rs(8, BF16, AVG), _rs(9, BF16, AVG),
                 ("16 bytes per rank (bfloat16, AVG)", "18 bytes per rank (bfloat16, AVG)")),
     "coalesced_second": (_coalesced_ag(4), _coalesced_ag(6),
-                         ("all_gather of 16 bytes per rank", "all_gather of 24 bytes per rank")),
+                         ("of 16 bytes per rank", "of 24 bytes per rank")),
 }
 
 

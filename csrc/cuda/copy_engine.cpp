@@ -234,6 +234,7 @@ void CudaTransport::issue_reduce(int lane, void* dst, const std::vector<const vo
     for (int i = 0; i < r.n_src; ++i) r.where[i] = static_cast<const uint64_t*>((*where)[i]);
     r.segments = segments_->views();
     r.located_offset = located_offset;
+    r.elem_size = dtype_size(spec.dtype);
     r.err = err_dev_;
     r.op_seq = site->op_seq;
     r.op = site->op;

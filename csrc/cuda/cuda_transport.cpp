@@ -157,6 +157,7 @@ CudaTransport::~CudaTransport() {
   for (auto& a : arenas_) memory_->close(a_, a);
   if (err_host_) (void)cudaFreeHost(err_host_);
   if (arrivals_) (void)cudaFree(arrivals_);
+  segments_.reset();  // its mappings and table belong to this device
   if (switched) (void)cudaSetDevice(prev);
 }
 

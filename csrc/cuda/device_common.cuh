@@ -107,12 +107,18 @@ __device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
 }
 
 // Transport::Located on the device (after the wait for the owner's "ready", which ordered the
-// owner's Location word before it): the source the word names, or null where this GPU has no
-// mapping of the segment it names (recorded as code 4: the owner only names segments its peers
-// acknowledged, so this is a bug, never a race; nothing is read).
+// owner's Location word before it): the source of `len` bytes the word names; null, reading
+// nothing, once the group has failed (a failed wait of the copy-engine path does not stop the
+// stream: the word may be another call's) or where the word names a segment this GPU has not
+// mapped or a range past its end (recorded as code 4: the owner names only segments its peers
+// acknowledged, so that is a bug, never a race).
 __device__ const char* resolve_located(const uint64_t* where, int owner, const char* staged,
-                                       unsigned long long offset, const SegmentView* segments,
-                                       DeviceError* err, unsigned long long op_seq, const char* op) {
+                                       unsigned long long offset, unsigned long long len,
+                                       const SegmentView* segments, DeviceError* err,
+                                       unsigned long long op_seq, const char* op,
+                                       bool after_failure_check = true) {
+  // (the fused kernel stops at a failed wait itself: no read of the host-side record there)
+  if (after_failure_check && static_cast<volatile DeviceError*>(err)->code != 0) return nullptr;
   const uint64_t w = load_acquire(where);
   if (!(w >> 63)) return staged;
   const unsigned slot = static_cast<unsigned>((w >> 51) & 0xFFF);
@@ -120,11 +126,12 @@ __device__ const char* resolve_located(const uint64_t* where, int owner, const c
   const volatile SegmentView* v = segments + static_cast<size_t>(owner) * kSegmentSlots + slot;
   const char* base = v->base;
   const unsigned long long have = v->gen;
-  if (base == nullptr || (have & Location::kGenMask) != gen) {
-    record_error(err, 4, owner, op_seq, op, "a mapping of the memory of", gen, have, slot, 0);
+  const unsigned long long at = (w & Location::kOffsetMask) + offset;
+  if (base == nullptr || (have & Location::kGenMask) != gen || at + len > v->bytes) {
+    record_error(err, 4, owner, op_seq, op, "a mapping of the memory of", gen, have, slot, at + len);
     return nullptr;
   }
-  return base + (w & Location::kOffsetMask) + offset;
+  return base + at;
 }
 
 // Copy `bytes` with the whole block, in the widest unit both pointers allow.

@@ -171,8 +171,11 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
                                        : static_cast<const uint64_t*>(op.ptrs[k + s.n]);
           const char* staged = static_cast<const char*>(copy ? s.src : op.ptrs[k]);
           const int owner = copy ? s.n : threadIdx.x;
-          located[threadIdx.x] = where ? resolve_located(where, owner, staged, s.desc_id, op.segments,
-                                                         op.err, op.op_seq, op.op)
+          // (fused reductions are of fp32, bf16 or fp16 only: fusable())
+          const unsigned long long len =
+              copy ? s.value : s.value * (static_cast<DType>(s.dtype) == DType::F32 ? 4 : 2);
+          located[threadIdx.x] = where ? resolve_located(where, owner, staged, s.desc_id, len,
+                                                         op.segments, op.err, op.op_seq, op.op, false)
                                        : staged;
           if (!located[threadIdx.x]) failed = 1;
         }

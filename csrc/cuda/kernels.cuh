@@ -93,6 +93,7 @@ struct PutSignalOp {
 struct SegmentView {
   const char* base;
   unsigned long long gen;
+  unsigned long long bytes;  // the segment's size: no read goes past it
 };
 
 // Transport::Located on the device: after the wait for its owner's "ready", the owner's Location
@@ -124,6 +125,7 @@ struct ReduceOpArgs {
   const uint64_t* where[kMaxPeers];
   const SegmentView* segments;
   unsigned long long located_offset;
+  unsigned long long elem_size;  // (a located source's bytes: numel * elem_size)
   DeviceError* err;
   unsigned long long op_seq;
   const char* op;

@@ -13,8 +13,8 @@ constexpr size_t kLocatedBytesPerBlock = 1 << 20;
 __global__ void __launch_bounds__(kLocatedThreads) located_copy_kernel(const __grid_constant__ LocatedCopyOp op) {
   __shared__ const char* src;
   if (threadIdx.x == 0) {
-    src = resolve_located(op.src.where, op.src.owner, op.src.staged, op.src.offset, op.segments,
-                          op.err, op.op_seq, op.op);
+    src = resolve_located(op.src.where, op.src.owner, op.src.staged, op.src.offset, op.bytes,
+                          op.segments, op.err, op.op_seq, op.op);
   }
   __syncthreads();
   if (!src) return;  // recorded; nothing is read

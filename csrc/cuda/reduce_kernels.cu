@@ -14,7 +14,8 @@ __device__ int load_sources(const ReduceOpArgs& a, const void** s) {
   if (threadIdx.x < a.n_src) {
     const int j = threadIdx.x;
     s[j] = a.where[j] ? resolve_located(a.where[j], j, static_cast<const char*>(a.src[j]),
-                                        a.located_offset, a.segments, a.err, a.op_seq, a.op)
+                                        a.located_offset, a.numel * a.elem_size, a.segments, a.err,
+                                        a.op_seq, a.op)
                       : a.src[j];
   }
   __syncthreads();

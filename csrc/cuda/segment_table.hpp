@@ -43,7 +43,7 @@ class SegmentTable {
   uint64_t locate(const void* p, size_t bytes);
   // Before each operation: map the peers' new segments, close the ended ones, acknowledge.
   void refresh();
-  // [world][kSegmentSlots], for the kernels.
+  // [world][kSegmentSlots], for the kernels (device memory: many blocks read it at once).
   const SegmentView* views() const { return views_; }
   // The caching allocator returned the segment at `base` of `device` to the driver.
   static void segment_freed(int device, uintptr_t base);
@@ -69,6 +69,8 @@ class SegmentTable {
   std::atomic<uint64_t>& acked(int reader, int owner, int slot);
   void end_export(uintptr_t base);  // mu_ held
   void refresh_owner(int owner);
+  // The kernels' view of a peer's slot, in place once this returns.
+  void set_view(int owner, int slot, const SegmentView& v);
 
   TransportArgs a_;
   int device_;
@@ -81,6 +83,7 @@ class SegmentTable {
   std::vector<std::vector<Mapping>> mapped_;   // [owner][slot]
   std::vector<uint64_t> seen_;                 // per owner: the version last read
   SegmentView* views_ = nullptr;
+  cudaStream_t copies_ = nullptr;  // set_view's
 };
 
 }  // namespace odc

@@ -129,9 +129,9 @@ std::string CudaTransport::async_error() {
   const std::string text =
       code == 4   ? "odc: " + std::string(site.op) + " (collective #" + std::to_string(site.op_seq) +
                       ") on rank " + std::to_string(a_.rank) + ": rank " + std::to_string(e->peer) +
-                      " named its memory segment " + std::to_string(e->target) + " (generation " +
-                      std::to_string(e->mine) + "), which this rank has not mapped (it has generation " +
-                      std::to_string(e->theirs) + "); nothing was read"
+                      " named memory this rank cannot read (its segment " + std::to_string(e->target) +
+                      ", generation " + std::to_string(e->mine) + ", up to byte " + std::to_string(e->seen) +
+                      "; this rank has generation " + std::to_string(e->theirs) + "); nothing was read"
       : code == 3 ? describe_announced(site, a_.rank, e->peer, e->mine, e->theirs)
       : code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs, e->target, e->seen)
                   : describe_wait(site, e->peer, e->target, e->seen, a_.timeout());

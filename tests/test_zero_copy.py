@@ -111,8 +111,9 @@ def _rounds_worker(rank, world):
             out, inp = _inputs(dev, case, 77 * step)
             ref = out.clone()
             _call(case, ref, inp, staged)
-            for _ in range(3):
+            for _ in range(3):  # the third in place: the peers mapped the segments at the second
                 _call(case, out, inp, None)
+                dist.barrier()  # (host order: every peer's next call starts after this one)
             torch.cuda.synchronize()
             if not torch.equal(out.view(torch.uint8), ref.view(torch.uint8)):
                 errors.append(f"step {step} case {case}: differs from the staged path")

@@ -115,6 +115,20 @@ __device__ __forceinline__ void reduce_step(const FusedStep& s, const void* cons
   }
 }
 
+// Source j of a located step (kernels.cuh, StepKind), or null (recorded).
+__device__ const void* located_source(const FusedOp& op, const FusedStep& s, int j) {
+  const bool copy = s.kind == kStepCopyLocated;
+  const int k = s.first + j;
+  const uint64_t* where = copy ? reinterpret_cast<const uint64_t*>(s.desc)
+                               : static_cast<const uint64_t*>(op.ptrs[k + s.n]);
+  const char* staged = static_cast<const char*>(copy ? s.src : op.ptrs[k]);
+  // (fused reductions are of fp32, bf16 or fp16 only: fusable())
+  const unsigned long long len = copy ? s.value : s.value * (static_cast<DType>(s.dtype) == DType::F32 ? 4 : 2);
+  return where ? resolve_located(where, copy ? s.n : j, staged, s.desc_id, len, op.segments, op.err,
+                                 op.op_seq, op.op, false)
+               : staged;
+}
+
 __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_constant__ FusedOp op) {
   __shared__ int failed, leave;
   __shared__ const void* located[kMaxPeers];  // a located step's sources, resolved
@@ -164,20 +178,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
       case kStepCopyLocated:
       case kStepReduceLocated: {  // the sources, from their owners' words (one thread each)
         const bool copy = s.kind == kStepCopyLocated;
-        const int n = copy ? 1 : s.n;
-        if (threadIdx.x < n) {
-          const int k = s.first + threadIdx.x;
-          const uint64_t* where = copy ? reinterpret_cast<const uint64_t*>(s.desc)
-                                       : static_cast<const uint64_t*>(op.ptrs[k + s.n]);
-          const char* staged = static_cast<const char*>(copy ? s.src : op.ptrs[k]);
-          const int owner = copy ? s.n : threadIdx.x;
-          // (fused reductions are of fp32, bf16 or fp16 only: fusable())
-          const unsigned long long len =
-              copy ? s.value : s.value * (static_cast<DType>(s.dtype) == DType::F32 ? 4 : 2);
-          located[threadIdx.x] = where ? resolve_located(where, owner, staged, s.desc_id, len,
-                                                         op.segments, op.err, op.op_seq, op.op, false)
-                                       : staged;
-          if (!located[threadIdx.x]) failed = 1;
+        if (threadIdx.x < (copy ? 1 : s.n) && !(located[threadIdx.x] = located_source(op, s, threadIdx.x))) {
+          failed = 1;
         }
         __syncthreads();
         if (failed) return;  // recorded; nothing is read

@@ -191,8 +191,13 @@ void CudaTransport::begin_op(void* stream, Ring ring) {
   ptrs_.clear();
   peers_.clear();
   if (segments_) {  // the peers' segments shared since the last operation (host work only)
+    // Not while the stream is captured into a CUDA graph: mapping and updating the table
+    // synchronise, which capture refuses. The next operation outside capture catches up.
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(op_stream_, &capturing), "cudaStreamIsCapturing");
+    capturing_ = capturing != cudaStreamCaptureStatusNone;
     DeviceGuard g(device_);
-    segments_->refresh();
+    if (!capturing_) segments_->refresh();
   }
 }
 
@@ -250,7 +255,8 @@ void CudaTransport::reduce(int lane, void* dst, const std::vector<const void*>& 
 }
 
 uint64_t CudaTransport::locate(const void* p, size_t bytes) {
-  return segments_ ? segments_->locate(p, bytes) : 0;
+  // Under capture only segments shared before: no IPC handle is made there.
+  return segments_ ? segments_->locate(p, bytes, /*may_share=*/!capturing_) : 0;
 }
 
 void CudaTransport::copy_located(int lane, void* dst, const Located& src, size_t bytes) {

@@ -263,6 +263,7 @@ class CudaTransport final : public Transport {
   DeviceError* err_dev_ = nullptr;
   // Direct collectives (ODC_ZERO_COPY): the segments this rank and its peers share.
   std::unique_ptr<SegmentTable> segments_;
+  bool capturing_ = false;  // the operation begun is captured into a CUDA graph
 };
 
 }  // namespace odc

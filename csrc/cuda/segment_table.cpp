@@ -107,7 +107,7 @@ std::atomic<uint64_t>& SegmentTable::acked(int reader, int owner, int slot) {
   return words[static_cast<size_t>(owner) * kSegmentSlots + slot];
 }
 
-uint64_t SegmentTable::locate(const void* p, size_t bytes) {
+uint64_t SegmentTable::locate(const void* p, size_t bytes, bool may_share) {
   GetAttributesFn attrs = get_attributes();
   if (!attrs || bytes == 0) return 0;
   CUdeviceptr start = 0;
@@ -126,6 +126,7 @@ uint64_t SegmentTable::locate(const void* p, size_t bytes) {
     end_export(base);
     it = exports_.end();
   }
+  if (it == exports_.end() && !may_share) return 0;
   if (it == exports_.end()) {
     Export e{-1, 0, id};
     cudaIpcMemHandle_t handle;

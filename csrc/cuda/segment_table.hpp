@@ -39,8 +39,8 @@ class SegmentTable {
   SegmentTable& operator=(const SegmentTable&) = delete;
 
   // The owner: the Location word (layout.hpp) of `bytes` at `p` where every peer has its
-  // segment mapped, else 0 (shared now if new; a later call finds it mapped).
-  uint64_t locate(const void* p, size_t bytes);
+  // segment mapped, else 0 (shared now if new and may_share; a later call finds it mapped).
+  uint64_t locate(const void* p, size_t bytes, bool may_share = true);
   // Before each operation: map the peers' new segments, close the ended ones, acknowledge.
   void refresh();
   // [world][kSegmentSlots], for the kernels (device memory: many blocks read it at once).

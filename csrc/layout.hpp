@@ -52,6 +52,12 @@ struct RegisteredId {
   static RegisteredId decode(uint64_t w) { return {w & ((uint64_t{1} << 44) - 1), w >> 44}; }
 };
 
+#ifdef __CUDACC__
+#define ODC_HOST_DEVICE __host__ __device__
+#else
+#define ODC_HOST_DEVICE
+#endif
+
 // Where the input of a direct collective (Protocol::all_gather_direct) lies, as its owner
 // stores it in each reader's window before its "ready": in the owner's allocator segment
 // `slot` of generation `gen` (SegmentTable: the readers have it mapped), `offset` bytes in; or,
@@ -70,6 +76,14 @@ struct Location {
     return uint64_t{1} << 63 | (uint64_t{slot} & 0xFFF) << 51 | (gen & kGenMask) << 40 |
            (offset & kOffsetMask);
   }
+  ODC_HOST_DEVICE static Location decode(uint64_t w) {
+    Location l;
+    l.mapped = w >> 63;
+    l.slot = static_cast<uint32_t>((w >> 51) & 0xFFF);
+    l.gen = (w >> 40) & kGenMask;
+    l.offset = w & kOffsetMask;
+    return l;
+  }
 };
 
 // Every collective a rank starts is *announced* to each peer before its first transfer:
@@ -87,11 +101,6 @@ inline uint64_t announce_word(uint64_t desc, uint64_t number) {
   constexpr uint64_t kKindBits = uint64_t{31} << 59;  // bit 63 (a descriptor) and the kind
   return (desc & kKindBits) | (number & kAnnounceSeqMask);
 }
-#ifdef __CUDACC__
-#define ODC_HOST_DEVICE __host__ __device__
-#else
-#define ODC_HOST_DEVICE
-#endif
 // What a wait watches while it spins (no watch: slots == nullptr); the host waits and the
 // GPU wait kernels use the same two rules.
 struct PeerWatch {

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "layout.hpp"
@@ -132,10 +133,15 @@ class Protocol {
   void registered_done(int ring, int lane, const std::vector<int>& peers, uint64_t number);
   void registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
                          const WaitSite& site);
-  // A direct collective's rounds for `bytes` per peer (at least one), and the first part of
-  // its owner side: the Location word and descriptor stored, "ready" for `ready` rounds.
+  // A direct collective's rounds for `bytes` per peer (at least one). "ready" up to `ready`
+  // (a registered number) to every peer, after the Location word and descriptor at the
+  // first round (id.number) or in place. The owner's side of round r: in place, "ready" for
+  // every round at the first; staged, once its readers are done with the last round (waited
+  // at reads_site), `stage` issues this round's copies into its window, then "ready" for it.
   uint64_t direct_rounds(size_t bytes) const;
   void direct_ready(int ring, uint64_t where, RegisteredId id, uint64_t desc, uint64_t ready);
+  void direct_round(int ring, uint64_t r, uint64_t rounds, uint64_t where, RegisteredId id,
+                    uint64_t desc, const WaitSite& reads_site, const std::function<void()>& stage);
 
   int rank_;
   int world_;

@@ -2,6 +2,7 @@
 // collectives (inputs in registered memory, at the same place of every rank's pool) and direct
 // ones (inputs anywhere, read where their owners say).
 #include <algorithm>
+#include <functional>
 #include <vector>
 
 #include "protocol.hpp"
@@ -141,9 +142,24 @@ void Protocol::direct_ready(int ring, uint64_t where, RegisteredId id, uint64_t 
     readies.push_back(flag_in(p, kRegReady[ring], rank_));
     descs.push_back(desc_in(p, kRegDesc[ring], rank_, id.number - 1));
   }
-  t_->store(0, at, where);
-  if (desc) store_desc(0, descs, desc, id.encode());
+  if (ready == id.number || where) {  // the first round: where the input lies, what it is
+    t_->store(0, at, where);
+    if (desc) store_desc(0, descs, desc, id.encode());
+  }
   t_->signal(0, readies, ready);
+}
+
+void Protocol::direct_round(int ring, uint64_t r, uint64_t rounds, uint64_t where, RegisteredId id,
+                            uint64_t desc, const WaitSite& reads_site,
+                            const std::function<void()>& stage) {
+  const uint64_t base = id.number - 1;
+  if (where) {
+    if (r == 0) direct_ready(ring, where, id, desc, base + rounds);  // it lies in place: all at once
+    return;
+  }
+  if (r) registered_finish(ring, others_, base + r, reads_site);  // its readers took the last round
+  stage();
+  direct_ready(ring, 0, id, desc, base + r + 1);
 }
 
 void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, uint64_t where,
@@ -155,37 +171,24 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
   const size_t round = layout_.chunk_bytes * layout_.slots;
   const uint64_t rounds = direct_rounds(shard_bytes);
   const uint64_t base = registered_[0];
+  const WaitSite reads{"all_gather", "the reads of this rank's input by", op_seq};
   auto len_of = [&](uint64_t r) { return std::min(round, shard_bytes - std::min(r * round, shard_bytes)); };
   if (world_ > 1) {
     registered_[0] += rounds;
     const RegisteredId id{0, base + 1};
-    std::vector<const uint64_t*> acks, done;
-    std::vector<uint64_t*> ready;
-    for (int p : others_) {
-      acks.push_back(flag_in(rank_, WindowLayout::AgAck, p));
-      done.push_back(flag_in(rank_, kRegDone[0], p));
-      ready.push_back(flag_in(p, kRegReady[0], rank_));
-    }
     char* stage = t_->window(rank_) + layout_.ag_ring;
     // Round-major (each round's staging, then its reads), which keeps the order deadlock-free
     // when run in sequence: a rank's next staging waits only for reads its peers issued before
     // they wait for its next round.
     for (uint64_t r = 0; r < rounds; ++r) {
-      if (where) {
-        if (r == 0) direct_ready(0, where, id, desc, base + rounds);  // it lies in place: all at once
-      } else {
-        // Staged in this rank's all-gather ring: first its readers take what was published there.
-        if (r == 0 && ag_pub_[rank_]) {
+      direct_round(0, r, rounds, where, id, desc, reads, [&] {  // staged in its all-gather ring,
+        if (r == 0 && ag_pub_[rank_]) {  // once its readers took what was published there
+          std::vector<const uint64_t*> acks;
+          for (int p : others_) acks.push_back(flag_in(rank_, WindowLayout::AgAck, p));
           t_->wait(0, acks, others_, ag_pub_[rank_], {"all_gather", "ring space held by", op_seq});
         }
-        if (r) t_->wait(0, done, others_, base + r, {"all_gather", "the reads of this rank's input by", op_seq});
         if (len_of(r)) t_->copy(0, stage, in_b + r * round, len_of(r));
-        if (r == 0) {
-          direct_ready(0, 0, id, desc, base + 1);
-        } else {
-          t_->signal(0, ready, base + r + 1);
-        }
-      }
+      });
       for (int i = 1; i < world_; ++i) {  // each peer on its lane
         const int p = (rank_ + i) % world_;
         const DescCheck check = registered_check(0, only_[p], id, desc);
@@ -201,9 +204,7 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
     }
   }
   if (my_part != in_b && shard_bytes) t_->copy(0, my_part, in_b, shard_bytes);
-  if (world_ > 1) {
-    registered_finish(0, others_, base + rounds, {"all_gather", "the reads of this rank's input by", op_seq});
-  }
+  if (world_ > 1) registered_finish(0, others_, base + rounds, reads);
 }
 
 void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel, size_t elem_size,
@@ -223,13 +224,9 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
   registered_[1] += rounds;
   const RegisteredId id{0, base + 1};
   const DescCheck check = registered_check(1, others_, id, desc);
-  std::vector<const uint64_t*> ready_here, done;
-  std::vector<uint64_t*> ready;
-  for (int p : others_) {
-    ready_here.push_back(flag_in(rank_, kRegReady[1], p));
-    done.push_back(flag_in(rank_, kRegDone[1], p));
-    ready.push_back(flag_in(p, kRegReady[1], rank_));
-  }
+  const WaitSite reads{"reduce_scatter", "the reads of this rank's input by", op_seq};
+  std::vector<const uint64_t*> ready_here;
+  for (int p : others_) ready_here.push_back(flag_in(rank_, kRegReady[1], p));
   ReduceSpec from_peers = spec;
   from_peers.reads_peers = true;
   // This rank's part of every rank's input, in rank order: its own in place, the peers' where
@@ -245,19 +242,11 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
   for (uint64_t r = 0; r < rounds; ++r) {
     const size_t off = r * round;
     const size_t len = std::min(round, part - std::min(off, part));
-    if (where) {
-      if (r == 0) direct_ready(1, where, id, desc, base + rounds);
-    } else {
-      if (r) t_->wait(0, done, others_, base + r, {"reduce_scatter", "the reads of this rank's input by", op_seq});
+    direct_round(1, r, rounds, where, id, desc, reads, [&] {  // each reader's part, in its region
       for (int q : others_) {
         if (len) t_->copy(0, t_->window(rank_) + layout_.rs_slot(q, 0), in_b + q * part + off, len);
       }
-      if (r == 0) {
-        direct_ready(1, 0, id, desc, base + 1);
-      } else {
-        t_->signal(0, ready, base + r + 1);
-      }
-    }
+    });
     t_->wait(0, ready_here, others_, base + r + 1, {"reduce_scatter", "the input of", op_seq},
              r == 0 && desc ? &check : nullptr);
     srcs[rank_].staged = in_b + rank_ * part + off;
@@ -265,7 +254,7 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
     if (len) t_->reduce_located(0, out_b + off, srcs, len / elem_size, from_peers);
     registered_done(1, 0, others_, base + r + 1);
   }
-  registered_finish(1, others_, base + rounds, {"reduce_scatter", "the reads of this rank's input by", op_seq});
+  registered_finish(1, others_, base + rounds, reads);
 }
 
 }  // namespace odc

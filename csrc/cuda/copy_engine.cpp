@@ -116,13 +116,10 @@ void CudaTransport::issue_step(const Step& s, std::vector<uint64_t*>& sigs,
       srcs.assign(ptrs_.begin() + s.first, ptrs_.begin() + s.first + s.n);
       issue_reduce(s.lane, s.dst, srcs, s.value, s.spec);
       break;
-    case kStepReduceLocated: {
+    case kStepReduceLocated:  // the words follow the sources in ptrs_
       srcs.assign(ptrs_.begin() + s.first, ptrs_.begin() + s.first + s.n);
-      const std::vector<const void*> where(ptrs_.begin() + s.first + s.n,
-                                           ptrs_.begin() + s.first + 2 * s.n);
-      issue_reduce(s.lane, s.dst, srcs, s.value, s.spec, &where, s.desc_id, &s.site);
+      issue_reduce(s.lane, s.dst, srcs, s.value, s.spec, &ptrs_[s.first + s.n], s.desc_id, &s.site);
       break;
-    }
     case kStepCopyLocated:
       issue_copy_located(s);
       break;
@@ -220,7 +217,7 @@ void CudaTransport::issue_copy(int lane, void* dst, const void* src, size_t byte
 
 void CudaTransport::issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                                     size_t numel, const ReduceSpec& spec,
-                                    const std::vector<const void*>* where, uint64_t located_offset,
+                                    const void* const* where, uint64_t located_offset,
                                     const WaitSite* site) {
   issue_prepare(lane);
   ReduceOpArgs r{};
@@ -231,7 +228,7 @@ void CudaTransport::issue_reduce(int lane, void* dst, const std::vector<const vo
     aligned = aligned && reinterpret_cast<uintptr_t>(srcs[i]) % 16 == 0;
   }
   if (where) {  // located sources: their words decide on the device (kernels.cuh)
-    for (int i = 0; i < r.n_src; ++i) r.where[i] = static_cast<const uint64_t*>((*where)[i]);
+    for (int i = 0; i < r.n_src; ++i) r.where[i] = static_cast<const uint64_t*>(where[i]);
     r.segments = segments_->views();
     r.located_offset = located_offset;
     r.elem_size = dtype_size(spec.dtype);

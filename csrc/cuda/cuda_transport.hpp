@@ -190,7 +190,7 @@ class CudaTransport final : public Transport {
   void fork_lane(int lane);
   void issue_copy(int lane, void* dst, const void* src, size_t bytes);
   void issue_reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
-                    const ReduceSpec& spec, const std::vector<const void*>* where = nullptr,
+                    const ReduceSpec& spec, const void* const* where = nullptr,
                     uint64_t located_offset = 0, const WaitSite* site = nullptr);
   void issue_copy_located(const Step& s);
   // A flag kernel on the lane: its pending signals, then (if any) the waits of `wait`.

@@ -119,16 +119,15 @@ __device__ const char* resolve_located(const uint64_t* where, int owner, const c
                                        bool after_failure_check = true) {
   // (the fused kernel stops at a failed wait itself: no read of the host-side record there)
   if (after_failure_check && static_cast<volatile DeviceError*>(err)->code != 0) return nullptr;
-  const uint64_t w = load_acquire(where);
-  if (!(w >> 63)) return staged;
-  const unsigned slot = static_cast<unsigned>((w >> 51) & 0xFFF);
-  const unsigned long long gen = (w >> 40) & Location::kGenMask;
-  const volatile SegmentView* v = segments + static_cast<size_t>(owner) * kSegmentSlots + slot;
+  const Location loc = Location::decode(load_acquire(where));
+  if (!loc.mapped) return staged;
+  const volatile SegmentView* v = segments + static_cast<size_t>(owner) * kSegmentSlots + loc.slot;
   const char* base = v->base;
   const unsigned long long have = v->gen;
-  const unsigned long long at = (w & Location::kOffsetMask) + offset;
-  if (base == nullptr || (have & Location::kGenMask) != gen || at + len > v->bytes) {
-    record_error(err, 4, owner, op_seq, op, "a mapping of the memory of", gen, have, slot, at + len);
+  const unsigned long long at = loc.offset + offset;
+  if (base == nullptr || (have & Location::kGenMask) != loc.gen || at + len > v->bytes) {
+    record_error(err, 4, owner, op_seq, op, "a mapping of the memory of", loc.gen, have, loc.slot,
+                 at + len);
     return nullptr;
   }
   return base + at;

@@ -345,8 +345,8 @@ def _fsdp_worker(rank, world, kind, registered):
 @pytest.mark.parametrize("kind", ["cpu", cuda_case("cuda", id="cuda")])
 def test_fsdp2_with_registered_memory_trains_as_without(kind):
     """FSDP2 with torch_odc_backend.use_registered_memory, and with ODC_FSDP_REGISTERED_MEMORY
-    and no call: the staged path's training (bitwise on CPU; on CUDA within the FSDP2 tests'
-    tolerance), and its collectives went zero-copy. The staged run leaves the setting empty:
+    and no call: the training of a run without registered memory (bitwise on CPU; on CUDA
+    within the FSDP2 tests' tolerance), and its collectives went zero-copy. The staged run leaves the setting empty:
     by default FSDP2 takes no registered memory without the call. On CUDA the run without a
     call uses `auto` (GPUs only), on CPU `1`."""
     env = dict(_env(kind), CUBLAS_WORKSPACE_CONFIG=":4096:8")
@@ -366,7 +366,11 @@ def test_fsdp2_with_registered_memory_trains_as_without(kind):
             # FSDP2's own all-gathers and reduce-scatters (every reduce-scatter is one) went
             # zero-copy; DTensor's all-gathers of the results (full_tensor) took the staged path
             assert stats.get("registered_ops", 0) > stats["reduce_scatter_ops"] > 0, (how, stats)
-        assert runs["env"][rank]["stats"] == runs["call"][rank]["stats"]
+        # the same collectives took the same paths; how many of the direct ones found their
+        # input's segment already mapped by every peer depends on timing
+        same = [{k: v for k, v in runs[how][rank]["stats"].items() if k != "direct_in_place_ops"}
+                for how in ("env", "call")]
+        assert same[0] == same[1]
         # the watch for new FSDP2 modules ended at the first optimizer step
         assert not runs["env"][rank]["still_watching"]
 

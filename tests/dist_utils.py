@@ -63,9 +63,11 @@ DEVICE_ID_SUITE = os.environ.get("ODC_TEST_DEVICE_ID") == "1"
 
 
 def _context():
-    """spawn where CUDA is available (a CUDA process must not fork); elsewhere a forkserver
+    """spawn where CUDA is available (what the GPU suites run with); elsewhere a forkserver
     that imported torch once: a rank then starts in about 0.1 s instead of the 1.5-2 s of
-    importing torch, most of a CPU test's time."""
+    importing torch, most of a CPU test's time. What `import torch` itself reads
+    (ODC_DEFAULT_BACKEND through the autoload entry point, TORCH_DEVICE_BACKEND_AUTOLOAD) is
+    then the server's: tests of those run a subprocess of their own (test_knob_errors.py)."""
     if torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

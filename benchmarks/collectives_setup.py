@@ -126,20 +126,20 @@ def _reference_group(dist, ref: str, cuda: bool, timeout):
 
 def _compared_groups(dist, args, ref: str, ref_pg, use_odc: bool, device, timeout) -> dict:
     groups = {ref: ref_pg}
+    odc_backend = "cpu:gloo,cuda:odc" if device.type == "cuda" else "cpu:odc"
+
+    def odc_group_under(knob: str, value: str):  # another odc group, made with one knob set
+        return _with_env(knob, value, lambda: dist.new_group(backend=odc_backend, timeout=timeout))
+
     if use_odc:
         groups["odc"] = dist.group.WORLD
     if use_odc and args.odc_nvshmem:
         # this group's peers all go through NVSHMEM, the default group's stay peer-to-peer
-        groups["odc_nvshmem"] = _with_env("ODC_TRANSPORT", "nvshmem", lambda: dist.new_group(
-            backend="cpu:gloo,cuda:odc", timeout=timeout))
+        groups["odc_nvshmem"] = odc_group_under("ODC_TRANSPORT", "nvshmem")
     if use_odc and args.staged:  # every tensor staged through the rings (no zero-copy)
-        groups["odc_staged"] = _with_env("ODC_ZERO_COPY", "0", lambda: dist.new_group(
-            backend="cpu:gloo,cuda:odc" if device.type == "cuda" else "cpu:odc",
-            timeout=timeout))
+        groups["odc_staged"] = odc_group_under("ODC_ZERO_COPY", "0")
     if use_odc and args.staged_push:  # staged all-gathers pushed into the peers' landing rings
-        groups["odc_staged_push"] = _with_env("ODC_STAGED_AG_PUSH", "1", lambda: dist.new_group(
-            backend="cpu:gloo,cuda:odc" if device.type == "cuda" else "cpu:odc",
-            timeout=timeout))
+        groups["odc_staged_push"] = odc_group_under("ODC_STAGED_AG_PUSH", "1")
     if use_odc and args.registered:  # the odc group again, its buffers from allocate_tensor
         groups["odc_registered"] = dist.group.WORLD
     if args.registered and ref == "nccl":

@@ -89,7 +89,7 @@ struct PutSignalOp {
 };
 
 // A peer's allocator segment as this GPU reaches it (SegmentTable keeps one per peer and slot,
-// in pinned host memory the kernels read): its mapping here and its generation (0: none).
+// in device memory the kernels read): its mapping here and its generation (0: none).
 struct SegmentView {
   const char* base;
   unsigned long long gen;

@@ -6,7 +6,7 @@
 // up the allocation it lies in (cuPointerGetAttributes: its range and its buffer id, unique in
 // the process) and, at first sight, writes the allocation's IPC handle under a slot and a new
 // generation. Each peer, at its next operation, opens every new entry, writes the mapping where
-// its kernels look (SegmentView, pinned host memory) and then acknowledges (slot, generation) in
+// its kernels look (SegmentView, device memory) and then acknowledges (slot, generation) in
 // its own table. The owner reads an input in place only once every peer acknowledged it; until
 // then it stages it (Protocol::all_gather_direct), so no host ever waits for another.
 // An entry ends when the caching allocator frees its segment (its trace hook, as

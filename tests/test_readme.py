@@ -104,3 +104,9 @@ def _scripts():
 def test_torchrun_block_runs_on_two_cpu_ranks(name, script, tmp_path):
     out = _torchrun(script, tmp_path)
     assert re.search(r"rank 0: loss \d", out) and re.search(r"rank 1: loss \d", out), out[-3000:]
+    if name.endswith("-continued"):
+        # the decoupled block says it trained: its last loss and this rank's microbatch count
+        # (rank r runs 1 + r per step, 5 steps)
+        done = {int(r): int(n) for r, n in
+                re.findall(r"rank (\d): decoupled loss \d+\.\d+ after (\d+) microbatches", out)}
+        assert done == {0: 5, 1: 10}, out[-3000:]

@@ -6,6 +6,7 @@ tested in tests/integrations/test_zero_code_change.py."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -105,3 +106,85 @@ def test_reduce_scatter_with_bitwise_ops_is_served():
         for name, values in want.items():
             assert res[rank][name] == values, (backend, rank, name, res[rank][name])
         assert res[rank]["stats"].get("delegated_ops", 0) >= 3, res[rank]["stats"]
+
+
+# --- every knob's error names the values it takes ------------------------------------------
+
+def _expected_values(message: str) -> list[str]:
+    """The values an error lists after 'expected ' ("auto, 1 or 0" -> ["auto", "1", "0"])."""
+    listed = message.split(": expected ", 1)[1]
+    return [v.strip() for part in listed.split(", ") for v in part.split(" or ") if v.strip()]
+
+
+def _clean_knobs(monkeypatch):
+    from torch_odc_backend import config
+
+    for knob in config.KNOBS:
+        monkeypatch.delenv(knob.env, raising=False)
+    return config
+
+
+def test_match_check_yes_says_0_or_1(monkeypatch):
+    config = _clean_knobs(monkeypatch)
+    monkeypatch.setenv("ODC_MATCH_CHECK", "yes")
+    with pytest.raises(ValueError) as e:
+        config.knobs()
+    assert str(e.value) == "ODC_MATCH_CHECK='yes': expected 0 or 1"
+
+
+def _knob_names():
+    from torch_odc_backend import config
+
+    return [k.env for k in config.KNOBS]
+
+
+@pytest.mark.parametrize("env", _knob_names())
+def test_every_knob_error_lists_what_it_takes(env, monkeypatch):
+    """A bad value of any backend knob names the knob, the value and what it takes; each
+    listed value is taken (flags and choices), and an integer's bounds are the ones enforced."""
+    config = _clean_knobs(monkeypatch)
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ValueError) as e:
+        config.knobs()
+    msg = str(e.value)
+    assert msg.startswith(f"{env}='yes': expected "), msg
+    if "byte count" in msg:  # sizes: "a byte count such as 4096, 512K or 32M"
+        for example in ("4096", "512K", "32M"):
+            monkeypatch.setenv(env, example)
+            config.knobs()
+        return
+    bounds = re.fullmatch(r".*: expected an integer from (\d+) to (\d+)", msg)
+    if bounds:
+        lo, hi = int(bounds.group(1)), int(bounds.group(2))
+        for good in (lo, hi):
+            monkeypatch.setenv(env, str(good))
+            config.knobs()
+        for bad in (lo - 1, hi + 1):
+            monkeypatch.setenv(env, str(bad))
+            with pytest.raises(ValueError, match=re.escape(f"{env}='{bad}': expected an integer from")):
+                config.knobs()
+        return
+    values = _expected_values(msg)
+    assert len(values) >= 2, msg
+    for value in values:  # every value the message lists is one the knob takes
+        monkeypatch.setenv(env, value)
+        config.knobs()
+
+
+@pytest.mark.parametrize("env, read", [("ODC_FSDP_REGISTERED_MEMORY", "fsdp_registered_devices"),
+                                       ("ODC_VERL_BALANCE", "verl_balance"),
+                                       ("ODC_VERL_ROLES", "verl_roles")])
+def test_process_wide_knob_errors_list_what_they_take(env, read, monkeypatch):
+    from torch_odc_backend import config
+
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ValueError) as e:
+        getattr(config, read)()
+    msg = str(e.value)
+    assert msg.startswith(f"{env}='yes': expected "), msg
+    if env == "ODC_VERL_ROLES":  # "'none' or a comma-separated subset of actor, critic, reference"
+        assert all(role in msg for role in config.VERL_ROLES) and "none" in msg, msg
+        return
+    for value in _expected_values(msg):
+        monkeypatch.setenv(env, value)
+        getattr(config, read)()

@@ -42,22 +42,28 @@ def _int_in(lo: int, hi: int) -> Callable[[str, str], int]:
         try:
             value = int(raw)
         except ValueError:
-            raise ValueError(f"{name}={raw!r}: expected an integer") from None
-        if not lo <= value <= hi:
-            raise ValueError(f"{name}={raw!r}: must be between {lo} and {hi}")
+            value = None
+        if value is None or not lo <= value <= hi:
+            raise ValueError(f"{name}={raw!r}: expected an integer from {lo} to {hi}")
         return value
 
     return parse
 
 
 def _flag(name: str, raw: str) -> bool:
-    return _int_in(0, 1)(name, raw) == 1
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value not in (0, 1):
+        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+    return value == 1
 
 
 def _choice(table: dict, expected: str) -> Callable[[str, str], Any]:
     def parse(name: str, raw: str):
         if raw.lower() not in table:
-            raise ValueError(f"{name}={raw.lower()!r}: expected {expected}")
+            raise ValueError(f"{name}={raw!r}: expected {expected}")
         return table[raw.lower()]
 
     return parse

@@ -7,8 +7,10 @@ compiled core) loads when a group is created. So ``import torch`` stays as fast 
 was, and the user's own ``import torch_odc_backend`` keeps meaning "this process uses
 odc" (it then asks CUDA for eager module loading, which odc needs, if CUDA is not up yet;
 ODC_DEFAULT_BACKEND with cuda asks for it here). A bad knob or a broken install must not
-break ``import torch`` for the user's other work: any failure here is one warning, and a bad
-ODC_DEFAULT_BACKEND is raised by the first process group (check_knobs).
+break ``import torch`` for the user's other work: a broken install is one warning here. A bad
+ODC_DEFAULT_BACKEND is silent here, since every process that imports torch runs this hook
+(torchrun's launcher too): ``import torch_odc_backend`` warns about it once (warn_knob_error)
+and the first process group raises it (check_knobs).
 """
 from __future__ import annotations
 
@@ -31,6 +33,17 @@ def default_backend_devices() -> list[str]:
 
 # A bad ODC_DEFAULT_BACKEND, kept for the first odc group to raise (check_knobs).
 _knob_error: ValueError | None = None
+_knob_warned = False  # warn_knob_error warned in this process
+
+
+def warn_knob_error() -> None:
+    """Warn, once per process, about a bad ODC_DEFAULT_BACKEND (``import torch_odc_backend``
+    calls it; the ``import torch`` hook does not, so torchrun's launcher stays quiet)."""
+    global _knob_warned
+    if _knob_error is not None and not _knob_warned:
+        _knob_warned = True
+        warnings.warn(f"torch_odc_backend: {_knob_error}; odc is the default backend of every device "
+                      "and the first process group will raise this error", RuntimeWarning, stacklevel=4)
 
 
 def check_knobs() -> None:
@@ -74,10 +87,7 @@ def register(creator=_create) -> list[str]:
 
 def autoload() -> None:
     try:
-        devices = register()
-        if _knob_error is not None:
-            warnings.warn(f"torch_odc_backend: {_knob_error}; the first process group will raise "
-                          "this error", RuntimeWarning)
+        devices = register()  # a bad ODC_DEFAULT_BACKEND: silent here (warn_knob_error)
         if "cuda" in devices and os.environ.get("ODC_ALLOW_LAZY_LOADING") != "1":
             os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # before CUDA starts: odc needs it
     except Exception as e:  # noqa: BLE001

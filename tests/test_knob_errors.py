@@ -35,6 +35,9 @@ def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           env={**base, **env}, capture_output=True, text=True, timeout=120)
 
 
+BAD_DEFAULT_WARNING = "RuntimeWarning: torch_odc_backend: ODC_DEFAULT_BACKEND='banana'"
+
+
 def _last_error(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode != 0, f"expected a failure, got rc 0:\n{proc.stdout}\n{proc.stderr}"
     return proc.stderr.strip().splitlines()[-1]
@@ -45,7 +48,8 @@ def _last_error(proc: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize("backend", [None, "cpu:odc"], ids=["no-backend", "cpu:odc"])
 def test_bad_default_backend_raises_at_the_first_group_naming_the_knob(backend):
     proc = _run(f"init({backend!r})", {"ODC_DEFAULT_BACKEND": "banana", "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
-    assert "ODC_DEFAULT_BACKEND='banana'" in proc.stderr and "RuntimeWarning" in proc.stderr, proc.stderr
+    # one warning (from the package, which the group's creator loads), then the error
+    assert proc.stderr.count(BAD_DEFAULT_WARNING) == 1, proc.stderr
     err = _last_error(proc)
     assert err.startswith("ValueError: ODC_DEFAULT_BACKEND='banana'"), err
     assert "expected cuda, cpu or cpu,cuda" in err, err
@@ -56,6 +60,47 @@ def test_bad_default_backend_raises_without_autoload_too():
                 {"ODC_DEFAULT_BACKEND": "banana", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     err = _last_error(proc)
     assert err.startswith("ValueError: ODC_DEFAULT_BACKEND='banana'"), err
+
+
+def _bad_default_env(autoload: str = "1") -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ODC_")}
+    return {**base, "ODC_DEFAULT_BACKEND": "banana", "TORCH_DEVICE_BACKEND_AUTOLOAD": autoload,
+            "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("autoload", ["1", "0"])
+def test_bad_default_backend_warns_once_at_the_package_import(autoload):
+    """`import torch` (the autoload hook) says nothing; `import torch_odc_backend` warns once,
+    however often its registration runs."""
+    code = ("import torch, importlib, torch_odc_backend, _torch_odc_backend_autoload as hook\n"
+            "hook.autoload(); importlib.reload(torch_odc_backend)")
+    proc = subprocess.run([sys.executable, "-c", code], env=_bad_default_env(autoload),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(BAD_DEFAULT_WARNING) == 1, proc.stderr
+    assert "expected cuda, cpu or cpu,cuda" in proc.stderr, proc.stderr
+
+
+def test_bad_default_backend_is_silent_at_import_torch():
+    """What torchrun's launcher runs, and every process with the package installed."""
+    proc = subprocess.run([sys.executable, "-c", "import torch, torch.distributed as dist; "
+                           "print(dist.Backend.default_device_backend_map['cpu'])"],
+                          env=_bad_default_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+    # the hook still ran (installed package): odc is the default, so the first group raises
+    assert proc.stdout.strip() == ("odc" if INSTALLED else "gloo"), proc.stdout
+
+
+def test_bad_default_backend_under_torchrun_warns_once_per_worker(tmp_path):
+    """torchrun with 2 workers that import the package: 2 warnings, none from the launcher."""
+    script = tmp_path / "worker.py"
+    script.write_text("import torch_odc_backend\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script)], env=_bad_default_env(), capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count(BAD_DEFAULT_WARNING) == 2, out[-3000:]
 
 
 def test_unwritable_stats_dir_is_named_at_the_first_group(tmp_path):

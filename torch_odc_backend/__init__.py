@@ -101,9 +101,11 @@ def _require_eager_module_loading() -> None:
 
 
 def _setup() -> None:
-    from _torch_odc_backend_autoload import register  # also what `import torch` ran, if it did
+    # register: also what `import torch` ran, if it did
+    from _torch_odc_backend_autoload import register, warn_knob_error
 
     register(_create_backend)
+    warn_knob_error()  # a bad ODC_DEFAULT_BACKEND: once, here (the first group raises it)
     _require_eager_module_loading()
 
 

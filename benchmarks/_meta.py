@@ -9,6 +9,7 @@ import datetime
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -60,6 +61,17 @@ def machine_kind(device: torch.device, world: int) -> str:
 
 def utc_now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
+
+
+def default_out_dir() -> Path:
+    """Where a benchmark writes its result files unless given ``--out-dir``: a folder under the
+    system's temporary directory, so that a run leaves the checkout as it was.
+    ``--out-dir benchmarks/results`` writes (and replaces) the committed headline files."""
+    return Path(tempfile.gettempdir()) / "odc_results"
+
+
+OUT_DIR_HELP = ("folder of the result files (default: %(default)s, outside the checkout; "
+                "benchmarks/results writes the committed headline files)")
 
 
 def result_path(out_dir: str | Path, benchmark: str, kind: str, suffix: str = "") -> Path:

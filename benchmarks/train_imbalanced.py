@@ -4,6 +4,10 @@
     torchrun --standalone --nproc-per-node=2 benchmarks/train_imbalanced.py        # CPU, ~1 min
     torchrun --standalone --nproc-per-node=4 benchmarks/train_imbalanced.py        # GPUs: 1.5B Qwen2
 
+The result goes under the system's temporary directory (``odc_results/``; the run prints the
+path) unless ``--out-dir`` names a folder: ``--out-dir benchmarks/results`` writes the
+committed headline file.
+
 Each minibatch holds synthetic documents with long-tailed lengths (lognormal, seeded; or
 constant lengths with ``--balanced``), packed into token-capped microbatches with
 per-document causal attention. Configurations run side by side in one job, on the same
@@ -56,7 +60,7 @@ chunked LM-head loss; each document attends causally to itself only (an attentio
 registered with ``transformers.AttentionInterface``). On CPU a small transformer stands in
 (``--model qwen2-tiny`` runs the GPU model's code path at toy size).
 
-Reported per configuration (rank 0 writes ``benchmarks/results/train_imbalanced_<kind>_<date>.json``):
+Reported per configuration (rank 0 writes ``<out-dir>/train_imbalanced_<kind>_<date>.json``):
 tokens/s, step times (the slowest rank's), peak memory, the bubble rate (idle share of the
 ranks' time, from the measured per-microbatch cost fit), odc's own sync-wait bubble in
 decoupled mode, and per-rank timelines (``benchmarks/plot_timeline.py`` draws them). The
@@ -95,8 +99,6 @@ from torch.utils.checkpoint import checkpoint
 import _meta
 import torch_odc_backend as odc
 from torch_odc_backend import balance
-
-REPO = Path(__file__).resolve().parents[1]
 
 # Qwen2-1.5B's shape (hidden 1536, 28 layers, 12 heads / 2 KV heads, SwiGLU 8960, vocab
 # 151936, tied embeddings): 1.54B parameters.
@@ -589,7 +591,7 @@ def parse_args() -> argparse.Namespace:
                         "then include the profiler's overhead)")
     p.add_argument("--trace-dir", default=None, help="with --profile: also write Chrome traces there")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--out-dir", default=str(_meta.default_out_dir()), help=_meta.OUT_DIR_HELP)
     args = p.parse_args()
     if args.trace_dir and not args.profile:
         p.error("--trace-dir writes the traces of --profile: add --profile")
@@ -792,7 +794,7 @@ def make_plans(docs, world, args, cost, names):
 
 def write_result(args, env, device, world, n_params, calibration, warm_s, cost, cross_host, docs,
                  results, summary) -> None:
-    """Rank 0: the result file (benchmarks/results/train_imbalanced_<kind>_<date>.json)."""
+    """Rank 0: the result file (<out-dir>/train_imbalanced_<kind>_<date>.json)."""
     shape = env.shape
     kind = _meta.machine_kind(device, world)
     if args.hsdp > 1:  # emulated or real hosts: one replica a host (ODC_HOST_SIZE says so)

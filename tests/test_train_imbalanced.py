@@ -74,3 +74,30 @@ def test_timeline_plot(result, tmp_path):
                            "--out", str(png)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert png.stat().st_size > 10_000
+
+
+def _results_folder() -> tuple[dict, str]:
+    """benchmarks/results: each file's (size, mtime), and what git says of the folder."""
+    folder = REPO / "benchmarks" / "results"
+    files = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+    git = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", str(folder)],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    return files, git.stdout if git.returncode == 0 else "(no git)"
+
+
+def test_default_run_leaves_the_checkout_alone(tmp_path):
+    """As docs/performance.md shows it (no --out-dir, run from the checkout): the result goes
+    under the system's temporary folder, which the run names, and benchmarks/results is
+    untouched (its committed headline files are written only with --out-dir benchmarks/results)."""
+    before = _results_folder()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "benchmarks/train_imbalanced.py", "--steps", "2", "--docs-per-step", "4", "--layers", "1",
+         "--configs", "exact_lbmicro", "--cost", "flops"],
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), ODC_BENCH_KIND="test"),
+        capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{log[-4000:]}"
+    (path,) = (tmp_path / "odc_results").glob("train_imbalanced_test_*.json")
+    assert f"[train_imbalanced] wrote {path}" in proc.stdout, log[-4000:]
+    assert _results_folder() == before

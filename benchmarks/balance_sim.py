@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Simulated minibatch times of the balancing schemes, from a measured microbatch-time fit.
 
-    python benchmarks/balance_sim.py                       # writes benchmarks/results/balance_sim_<date>.json
+    python benchmarks/balance_sim.py                       # writes <out-dir>/balance_sim_model_<date>.json
     python benchmarks/balance_sim.py --fit RESULT.json     # the fit of another train_imbalanced run
 
 No GPU and no training: each microbatch costs ``a + b * tokens + c * sum(length^2)`` seconds
@@ -138,7 +138,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fit", type=Path, default=DEFAULT_FIT, help="train_imbalanced result JSON with a calibration fit")
     p.add_argument("--minibatches", type=int, default=150)
-    p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--out-dir", default=str(_meta.default_out_dir()), help=_meta.OUT_DIR_HELP)
     args = p.parse_args()
     meta = json.loads(args.fit.read_text())
     f = meta["summary"]["microbatch_time_fit"]

@@ -6,7 +6,7 @@
 Every rank takes from one shared counter as fast as it can (the contended case: all ranks
 at once), then from a counter of its own (uncontended); per take the host-side round trip
 of ``OdcBackend.claim`` (torchrun's TCPStore). Rank 0 writes
-``benchmarks/results/claim_latency_<kind>_<date>.json``. A microbatch of long-context
+``<out-dir>/claim_latency_<kind>_<date>.json``. A microbatch of long-context
 training takes 0.1-3 s; a take costs one such round trip (two when taking another rank's).
 """
 from __future__ import annotations
@@ -16,15 +16,12 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import _meta
 from torch_odc_backend import balance
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def timed(backend, key: str, n: int) -> list[float]:
@@ -39,7 +36,7 @@ def timed(backend, key: str, n: int) -> list[float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--takes", type=int, default=2000)
-    p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--out-dir", default=str(_meta.default_out_dir()), help=_meta.OUT_DIR_HELP)
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("cpu:gloo,cuda:odc" if cuda else "cpu:odc")

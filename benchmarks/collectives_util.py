@@ -6,12 +6,14 @@ import re
 import statistics
 from pathlib import Path
 
+import _meta
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = [(1 << i) * MiB for i in range(10)]  # 1 MiB .. 512 MiB
 CPU_DEFAULT_SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 OPS = ("all_gather", "reduce_scatter")
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT_DIR = REPO / "benchmarks" / "results"
+DEFAULT_OUT_DIR = _meta.default_out_dir()  # outside the checkout; --out-dir benchmarks/results: the headline files
 
 
 # --------------------------------------------------------------------------- sizes

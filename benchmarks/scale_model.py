@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Predicted step time of NCCL + LB-Micro and odc decoupled + LB-Mini from 2 to 512 GPUs.
 
-    python benchmarks/scale_model.py            # writes benchmarks/results/scale_model_<date>.json
+    python benchmarks/scale_model.py            # writes <out-dir>/scale_model_<date>.json
     python benchmarks/scale_model.py --quick    # fewer minibatches and world sizes (a smoke run)
 
 No GPU: an analytical model fed with what the repository measured (2 and 4 x H200) and with
@@ -741,7 +741,7 @@ def main() -> int:
     p.add_argument("--straggler", type=float, default=1.3, help="slowdown of the last rank (1: none)")
     p.add_argument("--nic-efficiency", type=float, default=0.9, help="fraction of the NICs' line rate reached")
     p.add_argument("--issue-us", type=float, default=10.0, help="host time per remote peer and odc operation")
-    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--out-dir", default=str(_meta.default_out_dir()), help=_meta.OUT_DIR_HELP)
     args = p.parse_args()
     params = Params(Shape.qwen2_1_5b(), measured_overheads(), nic_efficiency=args.nic_efficiency,
                     issue_s=args.issue_us * 1e-6)

@@ -24,6 +24,7 @@ HOST_SOURCES = [
     "csrc/protocol_zero_copy.cpp",
     "csrc/arena.cpp",
     "csrc/pool.cpp",
+    "csrc/agreement.cpp",
     "csrc/channel.cpp",
     "csrc/work.cpp",
     "csrc/device_work.cpp",

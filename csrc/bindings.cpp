@@ -7,6 +7,8 @@
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's type casters (not torch/extension.h: the whole C++ API)
 
 #include "backend.hpp"
+#include "channel.hpp"
+#include "placement.hpp"
 #include "decoupled.hpp"
 #ifdef ODC_WITH_NVSHMEM
 #include "cuda/nvshmem_runtime.hpp"
@@ -221,6 +223,24 @@ void bind_build(py::module& m) {
         return odc::ArenaLayout(world, shard_numel, param_elem_size, grad_numel).total;
       },
       py::arg("world"), py::arg("shard_numel"), py::arg("param_elem_size"), py::arg("grad_numel"));
+  // For tests: what `rank` of a group whose ranks use these GPUs (one label per rank) decides
+  // from where the ranks are, with these options (odc::placement_choices).
+  m.def(
+      "_placement_choices",
+      [](const std::vector<std::string>& gpus, int rank, const odc::Options& options) {
+        odc::Placement p;
+        p.rank = rank;
+        for (const auto& g : gpus) p.gpus.emplace_back(g.begin(), g.end());
+        p.hosts.assign(gpus.size(), "host");
+        p.routed.assign(gpus.size(), false);
+        const odc::PlacementChoices c = odc::placement_choices(p, options);
+        py::dict d;
+        d["shares_device"] = c.shares_device;
+        d["push_all_gather"] = c.push_all_gather;
+        d["ranks_on_gpu"] = p.ranks_on_gpu();  // this rank's own: sizes only its own kernels
+        return d;
+      },
+      py::arg("gpus"), py::arg("rank"), py::arg("options"));
 }
 
 void bind_nvshmem(py::module& m) {

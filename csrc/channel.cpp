@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "agreement.hpp"
 #include "cuda_setup.hpp"
 #include "placement.hpp"
 #include "text.hpp"
@@ -34,6 +35,13 @@ std::string cross_host_refusal(const Channel& ch, const Options& options, const 
              "'shard'))) runs odc within each host and NCCL (gloo for CPU tensors) across; or build with "
              "ODC_WITH_NVSHMEM=1 on hosts with RDMA NICs and set ODC_HOST_SIZE. See "
              "docs/multi_host.md");
+}
+
+PlacementChoices placement_choices(const Placement& p, const Options& o) {
+  PlacementChoices c;
+  c.shares_device = p.some_ranks_share_a_gpu();
+  c.push_all_gather = o.pushes_all_gathers(static_cast<int>(p.gpus.size()), p.own_gpus());  // pushes map every peer
+  return c;
 }
 
 namespace {
@@ -73,8 +81,9 @@ void set_cuda_transport(Channel& ch, const TransportArgs& a, const Options& o) {
   t.zero_copy = o.zero_copy && !t.nvshmem;  // every peer over CUDA IPC
   ch.transport = make_cuda_transport(a, t);
   ch.async_stream = take_async_stream(device);
-  ch.shares_device = p.shares_gpu();
-  ch.push_all_gather = o.pushes_all_gathers(a.world, p.own_gpus());  // pushes map every peer
+  const PlacementChoices c = placement_choices(p, o);
+  ch.shares_device = c.shares_device;
+  ch.push_all_gather = c.push_all_gather;
 }
 
 // The shared-memory transport of `ch` (none where the group spans hosts).
@@ -108,6 +117,7 @@ Channel make_channel(const c10::Device& device, const Options& options,
   const int slots = options.ring_slots;
   try {
     a.layout = WindowLayout(size, chunk, slots);
+    check_settings_agree(a, options.group_name, shared_settings(options, cuda));
     if (cuda) {
       set_cuda_transport(ch, a, options);
     } else {

@@ -43,6 +43,15 @@ struct Channel {
   std::shared_ptr<RegisteredPool> pool;
 };
 
+struct Placement;
+// What a CUDA channel decides from where the group's ranks are, with knobs the ranks agreed on
+// (agreement.hpp): the same on every rank, since the placement is the group's.
+struct PlacementChoices {
+  bool shares_device = false;    // Channel::shares_device
+  bool push_all_gather = false;  // Channel::push_all_gather
+};
+PlacementChoices placement_choices(const Placement& p, const Options& o);
+
 // Sets up `device`'s transport for a group (collective over the group: every rank calls it
 // with its own device of that type): the group's name and global ranks come from `options`,
 // its timeout from `timeout_ms` (the backend's, so that a changed timeout reaches the

@@ -92,9 +92,11 @@ Placement place_gpu_ranks(const TransportArgs& a, const Options& o,
   return p;
 }
 
-bool Placement::shares_gpu() const {
+bool Placement::some_ranks_share_a_gpu() const {
   for (size_t r = 0; r < gpus.size(); ++r) {
-    if (static_cast<int>(r) != rank && gpus[r] == gpus[rank]) return true;
+    for (size_t q = 0; q < r; ++q) {
+      if (gpus[q] == gpus[r]) return true;
+    }
   }
   return false;
 }

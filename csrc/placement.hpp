@@ -27,9 +27,12 @@ struct Placement {
   // where odc's transports connect every rank.
   std::string unconnected_hosts;
 
-  // Another rank of the group uses this rank's GPU (NCCL refuses such groups).
-  bool shares_gpu() const;
-  // The group's ranks on this rank's GPU, not routed (their kernels share its SMs).
+  // Some two ranks of the group use one GPU (NCCL refuses such groups). A fact of the group,
+  // the same on every rank, unlike "another rank uses mine" (3 ranks on 2 GPUs: ranks 0 and 2
+  // share one, rank 1 has the other alone).
+  bool some_ranks_share_a_gpu() const;
+  // The group's ranks on this rank's GPU, not routed (their kernels share its SMs). This
+  // rank's own fact: it sizes only how this rank runs its steps, never what peers see.
   int ranks_on_gpu() const;
   // Some peer's memory is on another GPU of this host (CUDA IPC over NVLink).
   bool peers_on_other_gpus() const;

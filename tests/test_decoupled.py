@@ -325,7 +325,7 @@ def test_decoupled_equals_exact(run, device, world, name):
     ("decouple_twice", "already"),
     ("shard_size_1", "at least 2 ranks"),
     ("bad_accumulate_mode", "accumulate must be 'owner' or 'local'"),
-    ("stale_published_shards", "changed outside optimizer.step()"),
+    ("stale_published_shards", "changed in place after optimizer.step() published it"),
     ("unusable_after_error", "unusable after an earlier error"),
 ])
 def test_misuse_is_reported(run, case, pattern):
@@ -395,3 +395,175 @@ def test_arena_and_slab_sizes_are_what_decouple_registers():
         assert 2 * n_shard <= predicted["local"] < 2 * n_shard + 64 * 1024, (rank, predicted, n_shard)
         assert predicted["owner"] >= predicted["local"] + 4 * (n_shard // 2), (rank, predicted)
         assert slab == two_windows + (predicted["local"] + 4095) // 4096 * 4096, (rank, slab)
+
+
+# ---- parameters changed or replaced after odc.decouple
+#
+# Each scenario trains STEPS minibatches from fm.build(seed=3) with one change made to the
+# model, at one point: "start" (after odc.decouple, before the first forward), "reload" (after
+# the first minibatch's sync, in place of its optimizer step), "after_step" (after the first
+# optimizer step) or "mid" (after the first microbatch's backward). The changes load the
+# weights of a model built with another seed.
+def _change_model(change: str, model, src_sd: dict, ckpt_dir: str) -> None:
+    if change == "load_in_place":  # copies into the parameters; FSDP2's post-load hook re-checks them
+        model.load_state_dict(src_sd)
+    elif change == "dcp_load":  # DCP copies into the state dict's tensors: the parameters' shards
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({"model": model.state_dict()}, checkpoint_id=ckpt_dir)
+    elif change == "copy_no_grad":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(src_sd[name])
+    elif change == "swap_storage":  # nn.Module._apply: new local shards under the same Parameters
+        model.to(torch.bfloat16).to(torch.float32)
+    elif change == "to_float64":  # another dtype than the published shards'
+        model.to(torch.float64)
+    elif change == "assign":  # new Parameter objects (FSDP2 takes them in its post-load hook)
+        model.load_state_dict({k: v.detach().clone() for k, v in src_sd.items()}, assign=True)
+    elif change == "module_attr":  # a new Parameter FSDP2 does not know
+        model.blocks[1].fc1.weight = torch.nn.Parameter(src_sd["blocks.1.fc1.weight"].detach().clone())
+    else:
+        raise ValueError(change)
+
+
+def _train_with_change(mesh, *, decoupled: bool, change: str, at: str, src_sd, ckpt_dir):
+    import torch_odc_backend as odc
+
+    model, opt = fm.build(mesh, seed=3)
+    if decoupled:
+        odc.decouple(model, opt)
+    if at == "start":
+        _change_model(change, model, src_sd, ckpt_dir)
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    # the refused changes run the same microbatches on every rank, so that every rank raises
+    uneven = decoupled and at in ("start", "reload")
+    grads = []
+    for step in range(STEPS):
+        for i, mb in enumerate(_assignments(dp, step, uneven)[rank]):
+            _microbatch_loss(model, mb, step).backward()
+            if at == "mid" and step == 0 and i == 0:
+                _change_model(change, model, src_sd, ckpt_dir)
+        if decoupled:
+            odc.sync(model)
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        if at == "reload" and step == 0:  # a checkpoint loaded instead of this minibatch's step
+            _change_model(change, model, src_sd, ckpt_dir)
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+        if at == "after_step" and step == 0:
+            _change_model(change, model, src_sd, ckpt_dir)
+    return {"grads": grads, "params": fm.full_params(model)}
+
+
+# changes decoupled mode follows as exact mode does
+CHANGES_EQUAL = [("load_in_place", "start"), ("dcp_load", "start"), ("copy_no_grad", "start"),
+                 ("swap_storage", "start"), ("load_in_place", "reload")]
+# changes refused with a clear error: (change, at, what the message says)
+CHANGES_REFUSED = [
+    ("assign", "start", ["'tok.weight'", "replaced", "assign=True", "before"]),
+    ("assign", "after_step", ["'tok.weight'", "replaced", "assign=True"]),
+    ("module_attr", "after_step", ["'blocks.1.fc1.weight'", "replaced", "FSDP2"]),
+    ("load_in_place", "after_step", ["'tok.weight'", "changed in place", "after", "optimizer.step"]),
+    ("swap_storage", "after_step", ["'tok.weight'", "storage"]),
+    ("to_float64", "start", ["'tok.weight'", "dtype", "torch.float64"]),
+    ("copy_no_grad", "mid", ["'tok.weight'", "during the minibatch"]),
+]
+
+
+def _changes_worker(rank, world, ckpt_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    src, _ = fm.build(mesh, seed=11)
+    src_sd = src.state_dict()
+    dcp.save({"model": src_sd}, checkpoint_id=ckpt_dir)
+    out = {}
+    for change, at in CHANGES_EQUAL:
+        try:
+            out[f"{change}@{at}"] = {
+                mode: _train_with_change(mesh, decoupled=mode == "decoupled", change=change, at=at,
+                                         src_sd=src_sd, ckpt_dir=ckpt_dir)
+                for mode in ("exact", "decoupled")}
+        except Exception:
+            out[f"{change}@{at}"] = {"error": traceback.format_exc()}
+    for change, at, _ in CHANGES_REFUSED:  # after the others: each leaves its model unusable
+        try:
+            _train_with_change(mesh, decoupled=True, change=change, at=at, src_sd=src_sd,
+                               ckpt_dir=ckpt_dir)
+            out[f"{change}@{at}"] = None
+        except Exception as e:  # noqa: BLE001 - the message is checked
+            out[f"{change}@{at}"] = f"{type(e).__name__}: {e}"
+    return fm.to_wire(out)
+
+
+def _launch_changes():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_distributed(_changes_worker, 2, f"{tmp}/ckpt", backend="cpu:odc", deadline_s=120)
+
+
+changes_run = run_once(_launch_changes)
+
+
+def _assert_equal_to_exact(res, key):
+    for rank in sorted(res):
+        r = res[rank][key]
+        assert "error" not in r, f"rank {rank} {key}:\n{r.get('error')}"
+        for step in range(STEPS):
+            for pname, ref in r["exact"]["grads"][step].items():
+                torch.testing.assert_close(
+                    torch.as_tensor(r["decoupled"]["grads"][step][pname]), torch.as_tensor(ref),
+                    **TOL[False], msg=lambda m: f"rank {rank} {key} step {step} grad {pname}: {m}")
+        for pname, ref in r["exact"]["params"].items():
+            torch.testing.assert_close(torch.as_tensor(r["decoupled"]["params"][pname]),
+                                       torch.as_tensor(ref), **TOL[False],
+                                       msg=lambda m: f"rank {rank} {key} param {pname}: {m}")
+
+
+def _assert_refused(res, change, at):
+    pattern = next(p for c, a, p in CHANGES_REFUSED if (c, a) == (change, at))
+    for rank in sorted(res):
+        msg = res[rank][f"{change}@{at}"]
+        assert msg is not None, f"rank {rank}: {change} at {at} raised nothing"
+        for part in pattern:
+            assert part in msg, f"rank {rank}: {change} at {at}: {part!r} not in: {msg}"
+
+
+@pytest.mark.parametrize("change,at", [("load_in_place", "start"), ("dcp_load", "start"),
+                                       ("copy_no_grad", "start"), ("load_in_place", "reload")])
+def test_in_place_loads_after_decouple_equal_exact_mode(change, at):
+    """A checkpoint loaded in place after odc.decouple (before the first forward, or after a
+    sync in place of its optimizer step) is what every rank gathers next, as in exact mode."""
+    _assert_equal_to_exact(changes_run(), f"{change}@{at}")
+
+
+@pytest.mark.parametrize("change,at", [("load_in_place", "after_step"), ("copy_no_grad", "mid")])
+def test_in_place_changes_after_publishing_are_refused(change, at):
+    """After the optimizer step published this rank's shards (or during a minibatch) peers may
+    have gathered them already: an in-place change there is refused, not gathered stale."""
+    _assert_refused(changes_run(), change, at)
+
+
+@pytest.mark.parametrize("change,at", [("assign", "start"), ("assign", "after_step"),
+                                       ("module_attr", "after_step")])
+def test_replaced_parameters_are_refused(change, at):
+    """load_state_dict(assign=True) or a module attribute assignment after odc.decouple: the
+    optimizer and the published shards belong to the old Parameters; a clear error names the
+    parameter instead of gathering the stale copy and writing .grad to the old objects."""
+    _assert_refused(changes_run(), change, at)
+
+
+def test_swapped_parameter_storage():
+    """New local shards under the same Parameters (nn.Module._apply, e.g. model.to(): for
+    DTensor parameters the form `param.data = ...` takes; a plain `.data =` leaves a DTensor's
+    local shard alone): before the first forward they are what is published (equal to exact
+    mode); after a step, refused; another dtype, refused."""
+    res = changes_run()
+    _assert_equal_to_exact(res, "swap_storage@start")
+    _assert_refused(res, "swap_storage", "after_step")
+    _assert_refused(res, "to_float64", "start")  # not the published shards' dtype

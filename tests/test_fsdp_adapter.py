@@ -81,3 +81,56 @@ def test_default_comms_on_tells_the_groups_backend():
     for rank, r in res.items():
         assert r == {"odc": True, "gloo": False, "no_params": False, "cuda_only": False,
                      "not_default": False}, (rank, r)
+
+
+def _bindings_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, _ = fm.build(mesh, seed=3)
+    src, _ = fm.build(mesh, seed=11)
+    blk = model.blocks[0]
+
+    def state():
+        with torch.no_grad():
+            return [(b.param, b.registered, b.param.to_local().data_ptr(), b.all_gather_input.data_ptr())
+                    for b in _fsdp_adapter.shard_bindings(blk)]
+
+    def same(a, b):  # the same Parameters, registered, on the same storage
+        return all(x[0] is y[0] and x[1] is y[1] and x[2:] == y[2:] for x, y in zip(a, b))
+
+    first = state()
+    bindings = _fsdp_adapter.shard_bindings(blk)
+    out = {"names": [b.attr for b in bindings],
+           "registered": all(b.registered is b.param for b in bindings),
+           "shared": all(x[2] == x[3] for x in first)}
+    model.load_state_dict(src.state_dict())  # in place: FSDP2's post-load hook keeps everything
+    out["in_place_load"] = same(state(), first)
+    model.to(torch.float64).to(torch.float32)  # same Parameters, new (re-padded) local shards
+    swapped = state()
+    out["swap"] = (all(x[0] is y[0] for x, y in zip(swapped, first)),
+                   all(x[2] != y[2] for x, y in zip(swapped, first)),
+                   all(x[2] == x[3] for x in swapped))
+    blk.fc1.weight = torch.nn.Parameter(src.blocks[0].fc1.weight.detach().clone())
+    attr = state()[5]
+    out["attribute"] = (attr[0] is swapped[5][0], attr[1] is blk.fc1.weight)
+    model.load_state_dict({k: v.detach().clone() for k, v in src.state_dict().items()}, assign=True)
+    assigned = state()
+    out["assign"] = (all(x[0] is not y[0] for x, y in zip(assigned, swapped)),
+                     all(x[1] is x[0] for x in assigned), all(x[2] == x[3] for x in assigned))
+    return out
+
+
+def test_shard_bindings_follow_fsdp2():
+    """What decoupled mode checks its parameters against: FSDP2's Parameter, what the module
+    holds and FSDP2's all-gather storage, through an in-place load (unchanged), model.to()
+    (same Parameters, new storage FSDP2 gathers from), an attribute assignment (FSDP2 keeps
+    its own) and load_state_dict(assign=True) (FSDP2 takes the new Parameters)."""
+    res = run_distributed(_bindings_worker, 2, backend="cpu:odc", deadline_s=120)
+    for rank, r in res.items():
+        assert r["names"] == ["weight", "weight", "weight", "bias", "weight", "weight", "bias",
+                              "weight", "bias"], r
+        assert r["registered"] and r["shared"] and r["in_place_load"], (rank, r)
+        assert r["swap"] == (True, True, True), (rank, r)
+        assert r["attribute"] == (True, True), (rank, r)
+        assert r["assign"] == (True, True, True), (rank, r)

@@ -21,9 +21,10 @@ class _Group:
     """One FSDP module's parameter group: its layout and its comm objects."""
 
     def __init__(self, state, index: int, module: FSDPModule,  # state: decoupled.DecoupledState
-                 policy: _fsdp_adapter.GroupPolicy):
+                 policy: _fsdp_adapter.GroupPolicy, module_names: dict[int, str]):
         self.state, self.index, self.module = state, index, module
-        self.params = policy.params  # re-read at every publish (FSDP2 may rebind them)
+        # the Parameters bound for good: the optimizer steps them and sync writes their .grad
+        self.params = policy.params
         for p in policy.params:
             if not isinstance(p, DTensor) or p.placements[-1] != Shard(0):
                 raise ValueError("odc decoupled mode needs parameters sharded on dim 0 "
@@ -35,7 +36,16 @@ class _Group:
         if self.reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"odc decoupled mode reduces in float32 or bfloat16, not {self.reduce_dtype}")
         self.padded, self.trainable, self.numel, self.grad_numel = _shard_sizes(policy)
-        self.versions = None  # the local shards' version counters when last published
+        bindings = _fsdp_adapter.shard_bindings(module)
+        self.names = [".".join(n for n in (module_names.get(id(b.module), "?"), b.attr) if n)
+                      for b in bindings]  # for messages: blocks.0.qkv.weight
+        with torch.no_grad():  # the arena's layout: each local shard's dtype and device
+            self.locals_layout = [(loc.dtype, loc.device) for loc in (p.to_local() for p in self.params)]
+        # per parameter when last published: its local shard (which keeps that storage alive, so
+        # a new one cannot reuse the address), the shard's address and the version counters of
+        # the Parameter and of its shard (in-place ops through the DTensor bump the first,
+        # on to_local() the second)
+        self.published: list[tuple] | None = None
         # accumulate="local": this rank's summed reduce-scatter inputs (fp32), and an event
         # recorded after each add (FSDP2 runs them on its own stream; sync waits on it)
         self.local_acc = self.local_event = None
@@ -46,11 +56,51 @@ class _Group:
                 self.local_event = torch.cuda.Event()
 
     def refresh(self) -> None:
-        policy = _fsdp_adapter.group_policy(self.module)
-        self.params, self.divide_factor = policy.params, policy.gradient_divide_factor
+        self.divide_factor = _fsdp_adapter.group_policy(self.module).gradient_divide_factor
 
-    def local_versions(self) -> list[int]:
-        return [p.to_local()._version for p in self.params]
+    def record_published(self) -> None:
+        with torch.no_grad():
+            self.published = [(local, local.data_ptr(), p._version, local._version)
+                              for p, local in ((p, p.to_local()) for p in self.params)]
+
+    def problems(self, since_published: bool) -> list[tuple[str, str, str]]:
+        """(kind, parameter name, detail) of what is wrong with this group's parameters. Always:
+        FSDP2 took a new Parameter ("replaced": load_state_dict(assign=True)) or the module
+        holds one FSDP2 does not manage ("attribute": an assignment after fully_shard): the
+        optimizer steps, and sync writes .grad to, the bound ones. Before a publish: a local
+        shard of another dtype or device than the arena's layout ("layout"), or one FSDP2 does
+        not all-gather from ("unshared": exact mode would gather other values); a new local
+        shard under the same Parameter (nn.Module._apply, e.g. model.to()), which FSDP2 re-pads
+        into its all-gather input, is fine: it is what gets published. Since the last publish:
+        a local shard moved to new storage ("storage") or changed in place ("in_place").
+        Cheap: identities, addresses and version counters, no values."""
+        out = []
+        bindings = _fsdp_adapter.shard_bindings(self.module)
+        with torch.no_grad():
+            for i, (b, p, name) in enumerate(zip(bindings, self.params, self.names)):
+                if b.param is not p:
+                    out.append(("replaced", name, ""))
+                    continue
+                if b.registered is not None and b.registered is not p:
+                    out.append(("attribute", name, ""))
+                    continue
+                local = p.to_local()
+                if not since_published:
+                    dtype, device = self.locals_layout[i]
+                    if (local.dtype, local.device) != (dtype, device):
+                        out.append(("layout", name, f"{dtype} on {device} when odc.decouple bound "
+                                                    f"it, now {local.dtype} on {local.device}"))
+                    elif local.numel() and local.data_ptr() != b.all_gather_input.data_ptr():
+                        out.append(("unshared", name, ""))
+                elif self.published is not None:
+                    _, ptr, version, local_version = self.published[i]
+                    # an empty shard has no values to go stale (FSDP2 re-allocates those in every
+                    # reset_sharded_param, e.g. after an in-place load_state_dict)
+                    if local.numel() and local.data_ptr() != ptr:
+                        out.append(("storage", name, ""))
+                    elif (p._version, local._version) != (version, local_version):
+                        out.append(("in_place", name, ""))
+        return out
 
     def packed_shard(self) -> torch.Tensor:
         """This rank's shard as FSDP2 packs it for an all-gather: each parameter's local rows
@@ -91,10 +141,6 @@ class _AllGather:
     def __call__(self, output_tensor, input_tensor, group=None, async_op=False):
         st = self.group.state
         st._check_running("forward/backward (all-gather)")
-        if self.group.versions is not None and self.group.local_versions() != self.group.versions:
-            st._fail("this rank's parameters changed outside optimizer.step() since they were "
-                     "published, so peers would gather stale values (load checkpoints and edit "
-                     "weights before odc.decouple)")
         if output_tensor.dtype != self.group.param_dtype or output_tensor.numel() != st.world * self.group.numel:
             raise RuntimeError("odc decoupled mode: FSDP2's all-gather layout differs from the "
                                f"published one (group {self.group.index})")

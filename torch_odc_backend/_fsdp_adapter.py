@@ -1,5 +1,6 @@
 """The one place that reads FSDP2 private state (decoupled mode needs the mixed-precision
-policy and the gradient divide factor, which FSDP2 exposes no getter for;
+policy and the gradient divide factor, which FSDP2 exposes no getter for, and which
+Parameter and storage FSDP2 gathers each sharded parameter from;
 ``ODC_FSDP_REGISTERED_MEMORY`` needs the process groups a module communicates on).
 
 Checked against torch 2.11 and 2.13 (tests/test_decoupled.py exercises it); other
@@ -58,6 +59,38 @@ def group_policy(module) -> GroupPolicy | None:
                        force_sum_reduction=bool(getattr(g, "force_sum_reduction_for_comms", False)),
                        params=tuple(fp.sharded_param for fp in g.fsdp_params),
                        padded_shard_sizes=tuple(fp.padded_sharded_param_size for fp in g.fsdp_params))
+
+
+@dataclass(frozen=True)
+class ShardBinding:
+    """What FSDP2 holds now for one sharded parameter of a module's group."""
+    param: object  # the sharded parameter FSDP2 gathers and reduces into (nn.Parameter(DTensor))
+    module: torch.nn.Module  # the module it is an attribute of
+    attr: str  # its attribute name there
+    # what ``module.<attr>`` is now while FSDP2 has the sharded parameter registered there
+    # (sharded state); None while the module holds an unsharded one (inside forward/backward)
+    registered: object | None
+    all_gather_input: torch.Tensor  # FSDP2's all-gather input: this rank's padded shard, flat
+
+
+def shard_bindings(module) -> list[ShardBinding]:
+    """Per sharded parameter of ``module``'s FSDP group (all-gather order): the Parameter
+    FSDP2 uses, where it is registered and the storage FSDP2 all-gathers it from.
+    ``load_state_dict(assign=True)`` makes FSDP2 take the new Parameter (its post-load hook,
+    ``reset_sharded_param``); an attribute assignment FSDP2 does not see until it restores
+    its own at the next reshard; ``nn.Module._apply`` (``model.to()``) keeps the Parameter
+    and gives it a new local shard, which FSDP2 re-pads into a new all-gather input."""
+    _check_version()
+    out = []
+    for g in _param_groups(module):
+        for fp in g.fsdp_params:
+            info = fp._module_info
+            sharded = getattr(fp.sharded_state, "name", None) == "SHARDED"
+            registered = getattr(info.module, info.param_name, None) if sharded else None
+            out.append(ShardBinding(param=fp.sharded_param, module=info.module,
+                                    attr=info.param_name, registered=registered,
+                                    all_gather_input=fp._sharded_param_data))
+    return out
 
 
 def default_comms_on(module, backend_type: type,

@@ -137,12 +137,19 @@ class DecoupledState:
             raise ValueError("odc.decouple needs at least 2 ranks in the shard dimension (with one, "
                              "FSDP2 bypasses the reduce-scatter)")
         self.dp_size = self.world * (self.replicate_pg.size() if self.replicate_pg is not None else 1)
-        self.groups = [_Group(self, i, m, pol) for i, (m, pol) in enumerate(groups)]
+        module_names = {id(m): n for n, m in model.named_modules()}  # for messages
+        self.groups = [_Group(self, i, m, pol, module_names) for i, (m, pol) in enumerate(groups)]
         for g in self.groups:
             if g.params[0].device_mesh != self.mesh:
                 raise ValueError("odc.decouple: every fully_shard module must use the same mesh")
-        self.epoch = 1
+        # The epoch of the minibatch whose shards are published; 0: none yet. The first
+        # minibatch's are published by this rank's first forward, odc.last_microbatch or sync,
+        # so a checkpoint loaded in place after odc.decouple is what peers gather.
+        self.epoch = 0
         self.synced = False
+        # whether this minibatch's first forward, last_microbatch or sync checked that the
+        # parameters are as published (set where the optimizer step's post-hook published them)
+        self.checked = True
         self.broken = ""
         self.early: _EarlyReduction | None = None  # odc.last_microbatch in this minibatch
         # observability: wall time working vs waiting in sync, per minibatch and in total
@@ -160,7 +167,6 @@ class DecoupledState:
             g.module.set_custom_reduce_scatter(_ReduceScatter(g))
             g.module.set_force_sum_reduction_for_comms(True)
             g.module.set_requires_all_reduce(False)  # HSDP: sync all-reduces once per minibatch
-        self._publish()
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step)]
 
@@ -186,15 +192,67 @@ class DecoupledState:
 
     def _check_running(self, what: str) -> None:
         self._check_usable()
-        if self.synced:
+        if self.synced or self.epoch == 0:
             self._next_minibatch(stepped=False)
+        elif not self.checked:
+            self._check_unchanged()
 
     def _publish(self) -> None:
         for g in self.groups:
+            self._refuse(g.problems(since_published=False))
+        for g in self.groups:
             g.refresh()
             self.arena.publish(g.index, g.packed_shard())
-            g.versions = g.local_versions()
+            g.record_published()
         self.arena.announce(self.epoch)
+
+    def _check_unchanged(self) -> None:
+        """Once at the first forward / last_microbatch / sync of a minibatch the optimizer
+        step's post-hook published, and again in sync: the parameters must still be the ones
+        published (peers may have gathered them already)."""
+        for g in self.groups:
+            self._refuse(g.problems(since_published=True))
+        self.checked = True
+
+    def _refuse(self, problems: list) -> None:
+        """Fail with a message naming the first problem's parameter, what happened to it and
+        what to do instead (problems: _Group.problems)."""
+        if not problems:
+            return
+        kind, name, detail = problems[0]
+        more = sum(1 for k, _, _ in problems[1:] if k == kind)
+        names = f"'{name}'" + (f" (and {more} more in its FSDP module)" if more else "")
+        when = ("during the minibatch, after it was published" if self.checked else
+                f"after optimizer.step() published it for minibatch {self.epoch}")
+        where = ("before the first forward after odc.decouple, or after odc.sync(model) and "
+                 "before optimizer.step() (which publishes them)")
+        reasons = {
+            "replaced": f"parameter {names} was replaced by a new Parameter after odc.decouple "
+                        "(e.g. load_state_dict(assign=True)): the optimizer and decoupled mode "
+                        "hold the old one, so peers would gather its stale published shard and "
+                        ".grad would go to the old object. Load checkpoints in place instead "
+                        "(load_state_dict without assign=True, or torch.distributed.checkpoint."
+                        "load), or replace parameters before creating the optimizer and calling "
+                        "odc.decouple",
+            "attribute": f"module attribute {names} was replaced by a Parameter FSDP2 does not "
+                         "manage (assigned after fully_shard): FSDP2 keeps gathering its own and "
+                         "drops the new one at its next reshard, in exact mode too. Assign "
+                         "parameters before fully_shard, or copy the values into the existing "
+                         f"Parameter in place (torch.no_grad(), param.copy_) {where}",
+            "layout": f"the local shard of parameter {names} changed dtype or device ({detail}), "
+                      "e.g. by model.to(): the published shards' layout is fixed by "
+                      "odc.decouple; convert the model before it",
+            "unshared": f"the local shard of parameter {names} is not the storage FSDP2 "
+                        "all-gathers from any more (replaced behind FSDP2's back): exact mode "
+                        "would gather other values than the published ones",
+            "storage": f"the local shard of parameter {names} moved to new storage {when} (e.g. "
+                       "by model.to()): peers may have gathered the old values already. Convert "
+                       f"or move parameters only {where}",
+            "in_place": f"parameter {names} was changed in place {when} (e.g. a checkpoint "
+                        "loaded): peers may have gathered the old values already. Change "
+                        f"parameters in place only {where}",
+        }
+        self._fail(reasons[kind])
 
     def _before_step(self, optimizer, args, kwargs):
         self._check_usable()
@@ -209,8 +267,9 @@ class DecoupledState:
     def _next_minibatch(self, stepped: bool) -> None:
         """Open the next minibatch: publish this rank's shards for the next epoch. Without an
         optimizer step since the sync (GradScaler skipped it, or the loop did), the shards are
-        the same; every rank opens the epoch exactly once per sync either way, so they agree."""
-        if not stepped:
+        the same, or changed in place after the sync; every rank opens the epoch exactly once
+        per sync either way (and the first one at its first forward or sync), so they agree."""
+        if not stepped and self.epoch > 0:
             log.info("odc: minibatch %d ended without an optimizer step (skipped, e.g. by "
                      "GradScaler); the next one starts from the same parameters", self.epoch)
             self.totals["skipped_steps"] += 1
@@ -218,6 +277,8 @@ class DecoupledState:
         self.synced = False
         self.early = None
         self._publish()
+        # published at the optimizer step: the first forward or sync checks for changes since
+        self.checked = not stepped
         self._since = time.perf_counter()
 
     def last_microbatch(self) -> None:
@@ -232,8 +293,9 @@ class DecoupledState:
 
     def sync(self) -> None:
         self._check_usable()
-        if self.synced:  # no forward since the last sync and no step: an empty minibatch here
-            self._next_minibatch(stepped=False)
+        if self.synced or self.epoch == 0:  # no forward since the last sync and no step (or
+            self._next_minibatch(stepped=False)  # none yet): an empty minibatch here
+        self._check_unchanged()  # before this rank says it is done: its .grad stays untouched
         with _range("odc.sync"), torch.no_grad(), self._fail_on_error():
             self._sync()
 

@@ -97,9 +97,9 @@ struct Location {
 // instead of after the group's timeout.
 constexpr int kAnnounceSlots = 16;
 constexpr uint64_t kAnnounceSeqMask = (uint64_t{1} << 40) - 1;
+constexpr uint64_t kAnnounceKindBits = uint64_t{31} << 59;  // bit 63 (a descriptor) and the kind
 inline uint64_t announce_word(uint64_t desc, uint64_t number) {
-  constexpr uint64_t kKindBits = uint64_t{31} << 59;  // bit 63 (a descriptor) and the kind
-  return (desc & kKindBits) | (number & kAnnounceSeqMask);
+  return (desc & kAnnounceKindBits) | (number & kAnnounceSeqMask);
 }
 // What a wait watches while it spins (no watch: slots == nullptr); the host waits and the
 // GPU wait kernels use the same two rules.
@@ -114,6 +114,28 @@ struct PeerWatch {
     return (theirs & kAnnounceSeqMask) == (word & kAnnounceSeqMask) && theirs != word;
   }
 };
+
+// A rank that gives up a collective (one of its waits failed: a timeout, a mismatch, another
+// collective announced, or a peer that gave up) stores in its announcement slot of every peer
+// its announcement of that collective with this bit, and why (the failure's code, below): a
+// peer whose wait depends on it then fails at once (PeerWatch::differs holds), naming it,
+// rather than waiting for a counter it will never store until the group's timeout. Without it
+// a rank that found a mismatch on one lane left its other lanes' later signals unsent, and the
+// peers that could only learn of the mismatch from those waited out the timeout.
+constexpr uint64_t kAnnounceStopped = uint64_t{1} << 58;
+constexpr int kStopCodeShift = 52;  // 3 bits, the failure's code (kernels.cuh, DeviceError)
+ODC_HOST_DEVICE inline uint64_t stopped_word(uint64_t announced, int code) {
+  return announced | kAnnounceStopped | (static_cast<uint64_t>(code & 7) << kStopCodeShift);
+}
+ODC_HOST_DEVICE inline bool is_stopped(uint64_t word) { return (word & kAnnounceStopped) != 0; }
+// A peer that gave up the same kind of collective (else it called another one: that is the news).
+ODC_HOST_DEVICE inline bool gave_up_same(uint64_t mine, uint64_t theirs) {
+  return is_stopped(theirs) && (theirs & kAnnounceKindBits) == (mine & kAnnounceKindBits);
+}
+ODC_HOST_DEVICE inline int stop_code(uint64_t word) { return static_cast<int>((word >> kStopCodeShift) & 7); }
+// The failure codes (the GPU's DeviceError and the host's alike).
+enum StopCode : int { kStopTimeout = 1, kStopMismatch = 2, kStopAnnounced = 3, kStopMemory = 4,
+                      kStopPeerStopped = 5, kStopExited = 6 };
 
 // How values combine, element by element across ranks, in rank order (deterministic):
 // Sum (AVG and PREMUL_SUM are a Sum times `scale`), Max, Min or Product; accumulated in

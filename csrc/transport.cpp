@@ -48,8 +48,22 @@ namespace {
 const char* collective_name(uint64_t word) { return kind_name(decode_op_desc(word).kind); }
 }  // namespace
 
+std::string describe_stopped(const WaitSite& site, int rank, int peer, uint64_t theirs) {
+  const int code = stop_code(theirs);
+  const char* why = code == kStopMismatch || code == kStopAnnounced
+                        ? "it found that the ranks issued different collectives here (its error names both sides)"
+                    : code == kStopTimeout ? "a wait of its own timed out (its error names the rank it waited for)"
+                    : code == kStopMemory ? "a peer named memory it cannot read"
+                    : code == kStopPeerStopped ? "another rank gave it up first"
+                                               : "of an error of its own";
+  return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer, " gave up this collective because ",
+             why, ", so this rank (rank ", rank, ") stopped waiting for ", site.what, " rank ", peer,
+             ". The group cannot be used any more.");
+}
+
 std::string describe_announced(const WaitSite& site, int rank, int peer, uint64_t mine,
                                uint64_t theirs) {
+  if (gave_up_same(mine, theirs)) return describe_stopped(site, rank, peer, theirs);
   return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer,
              " issued a different collective than this rank (rank ", rank,
              ") at the same point: this rank called ", collective_name(mine), ", rank ", peer,

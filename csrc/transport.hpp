@@ -165,7 +165,7 @@ std::string describe_desc(uint64_t desc);
 std::string describe_mismatch(const WaitSite& site, int rank, int peer, uint64_t mine,
                               uint64_t theirs, uint64_t chunk, uint64_t their_chunk);
 // The error of a watched wait (PeerWatch): `peer` announced `theirs` under the number of
-// this rank's announcement `mine`.
+// this rank's announcement `mine`, or gave the collective up (is_stopped(theirs), layout.hpp).
 std::string describe_announced(const WaitSite& site, int rank, int peer, uint64_t mine,
                                uint64_t theirs);
 

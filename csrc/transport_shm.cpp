@@ -196,6 +196,18 @@ ShmTransport::~ShmTransport() {
   }
 }
 
+void ShmTransport::give_up(int code, const std::string& message) {
+  if (watch_.slots) {
+    const uint64_t number = watch_.word & kAnnounceSeqMask;
+    for (int p = 0; p < a_.world; ++p) {
+      if (p == a_.rank || !maps_[p]) continue;
+      auto* slot = reinterpret_cast<uint64_t*>(maps_[p] + a_.layout.announce_slot(a_.rank, number));
+      __atomic_store_n(slot, stopped_word(watch_.word, code), __ATOMIC_RELEASE);
+    }
+  }
+  throw CommError(message);
+}
+
 void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
                         const std::vector<int>& peers, uint64_t target, const WaitSite& site,
                         const DescCheck* check) {
@@ -215,19 +227,21 @@ void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
       std::this_thread::sleep_for(std::chrono::microseconds(50));
       if (watch_.slots) {  // the peer announced another collective at this point: fail now
         const uint64_t theirs = __atomic_load_n(watch_.slot_of(peers[i]), __ATOMIC_ACQUIRE);
-        if (watch_.differs(theirs)) {
-          throw CommError(describe_announced(site, a_.rank, peers[i], watch_.word, theirs));
+        // (a counter that arrived meanwhile comes first: its descriptor says more)
+        if (watch_.differs(theirs) && __atomic_load_n(flags[i], __ATOMIC_ACQUIRE) < target) {
+          give_up(gave_up_same(watch_.word, theirs) ? kStopPeerStopped : kStopAnnounced,
+                  describe_announced(site, a_.rank, peers[i], watch_.word, theirs));
         }
       }
       if (spins % 256 == 0) {
         if (kill(pids_[peers[i]], 0) != 0 && errno == ESRCH) {
-          throw CommError("odc: " + std::string(site.op) + " #" + std::to_string(site.op_seq) +
-                          ": rank " + std::to_string(peers[i]) + " (pid " +
-                          std::to_string(pids_[peers[i]]) +
-                          ") has exited. The group cannot be used any more.");
+          give_up(kStopExited, "odc: " + std::string(site.op) + " #" + std::to_string(site.op_seq) +
+                                   ": rank " + std::to_string(peers[i]) + " (pid " +
+                                   std::to_string(pids_[peers[i]]) +
+                                   ") has exited. The group cannot be used any more.");
         }
         const auto waited = std::chrono::steady_clock::now() - start;
-        if (waited > a_.timeout()) throw CommError(describe_wait(site, peers[i], target, seen, a_.timeout()));
+        if (waited > a_.timeout()) give_up(kStopTimeout, describe_wait(site, peers[i], target, seen, a_.timeout()));
       }
     }
     // The counter's acquire load orders this read after the peer's descriptor store.
@@ -235,8 +249,8 @@ void ShmTransport::wait(int, const std::vector<const uint64_t*>& flags,
       const uint64_t theirs = __atomic_load_n(check->descs[i], __ATOMIC_RELAXED);
       const uint64_t chunk = __atomic_load_n(check->descs[i] + 1, __ATOMIC_RELAXED);
       if (theirs != check->expected || chunk != check->id) {
-        throw CommError(describe_mismatch(site, a_.rank, peers[i], check->expected, theirs,
-                                          check->id, chunk));
+        give_up(kStopMismatch, describe_mismatch(site, a_.rank, peers[i], check->expected, theirs,
+                                                 check->id, chunk));
       }
     }
   }

@@ -38,6 +38,9 @@ class ShmTransport final : public Transport {
   void fill_zero(int lane, void* dst, size_t bytes) override;
 
  private:
+  // Tells the peers this rank gave the collective in progress up (layout.hpp,
+  // kAnnounceStopped: their waits on it fail at once), then throws CommError(message).
+  [[noreturn]] void give_up(int code, const std::string& message);
   // Create this rank's segment of `bytes`, map every rank's (collective; `tag` names
   // the rendezvous in the store); fills pids_ on the first call.
   std::vector<char*> map_segments(const std::string& tag, size_t bytes);

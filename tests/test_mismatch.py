@@ -143,18 +143,27 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(run, case):
 
 def assert_reported(res, case):
     agreed_text, odd_text = CASES[case][2]
+    named_both = 0
     for rank in range(WORLD):
         r = res[rank][case]
         assert r["error"] is not None, f"rank {rank}: {case} completed without an error"
         assert r["is_runtime"] and r["type"] == "DistBackendError", (rank, r["type"], r["error"])
         msg = r["error"]
+        assert r["elapsed"] < TIMEOUT_S / 3, f"rank {rank}: took {r['elapsed']:.1f}s (a timeout?)"
+        assert r["after"] is not None and "different collective" in r["after"], (rank, r["after"])
+        # On GPUs a rank's lanes run at once: a rank may find the mismatch on one lane before
+        # another lane sent what would show it to a peer; it then tells its peers it gave the
+        # collective up, and they fail at once naming it (layout.hpp, kAnnounceStopped).
+        if re.search(r"rank \d gave up this collective because it found that the ranks issued "
+                     r"different collectives", msg):
+            continue
+        named_both += 1
         assert "issued a different collective" in msg, f"rank {rank}: {msg}"
         mine, theirs = (odd_text, agreed_text) if rank == ODD else (agreed_text, odd_text)
         assert re.search(rf"this rank's is [^,]*{re.escape(mine)}", msg), f"rank {rank}: {msg}"
         peer = ODD if rank != ODD else r"[01]"
         assert re.search(rf"rank {peer}'s is [^.]*{re.escape(theirs)}", msg), f"rank {rank}: {msg}"
-        assert r["elapsed"] < TIMEOUT_S / 3, f"rank {rank}: took {r['elapsed']:.1f}s (a timeout?)"
-        assert r["after"] is not None and "different collective" in r["after"], (rank, r["after"])
+    assert named_both, f"{case}: no rank named both sides"
 
 
 def assert_different_collectives_reported(res, case="ag_vs_rs", names=("all_gather", "reduce_scatter")):

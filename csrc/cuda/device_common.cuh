@@ -41,12 +41,14 @@ __device__ __forceinline__ uint64_t global_ns() {
 }
 
 // The group's first failure wins: fill the record, then publish its code (the host reads
-// the fields once it sees the code). 1: a wait timed out, 2: a descriptor mismatch, 3: a
-// peer announced another collective, 4: a segment not mapped here (kernels.cuh, DeviceError).
+// the fields once it sees the code); then, where the failed collective was announced
+// (`announced`: this rank's announcement of it, 0 if none), tell every peer it was given up
+// (layout.hpp, kAnnounceStopped), so that their waits on this rank fail now rather than time
+// out. Codes: StopCode (layout.hpp; kernels.cuh, DeviceError).
 __device__ void record_error(DeviceError* err_ptr, int code, int peer, unsigned long long op_seq,
                              const char* op, const char* what, unsigned long long mine,
                              unsigned long long theirs, unsigned long long target,
-                             unsigned long long seen) {
+                             unsigned long long seen, unsigned long long announced) {
   volatile DeviceError* err = err_ptr;
   if (err->code != 0) return;
   err->peer = peer;
@@ -60,12 +62,17 @@ __device__ void record_error(DeviceError* err_ptr, int code, int peer, unsigned 
   __threadfence_system();
   err->code = code;
   __threadfence_system();
+  if (announced == 0) return;
+  const uint64_t stopped = stopped_word(announced, code);
+  const uint64_t slot = (announced & kAnnounceSeqMask) % kAnnounceSlots;
+  for (int i = 0; i < err->n_notify; ++i) store_relaxed(err->notify[i] + slot, stopped);
+  __threadfence_system();
 }
 
 // Spin until *flag >= target. Returns false when the wait timed out (recorded in
 // err) or the group already failed (err->code set by another wait).
-// With watch.slots, also fail (code 3) as soon as the peer announced another collective
-// under the number of this rank's announcement (PeerWatch, layout.hpp).
+// With watch.slots, also fail as soon as the peer announced another collective under the
+// number of this rank's announcement, or gave it up (PeerWatch, layout.hpp).
 __device__ bool wait_counter(const uint64_t* flag, uint64_t target, uint64_t start,
                              unsigned long long timeout_ns, DeviceError* err_ptr, int peer,
                              unsigned long long op_seq, const char* op, const char* what,
@@ -74,18 +81,21 @@ __device__ bool wait_counter(const uint64_t* flag, uint64_t target, uint64_t sta
   uint64_t seen;
   uint32_t iter = 0;
   const uint64_t* watched = watch.slots ? watch.slot_of(peer) : nullptr;
+  const unsigned long long announced = watch.slots ? watch.word : 0;
   while ((seen = load_acquire(flag)) < target) {
     if ((++iter & 1023u) != 0) continue;
     if (err->code != 0) return false;  // the group already failed: drain the stream quickly
     if (watched) {
       const uint64_t theirs = load_acquire(watched);
-      if (watch.differs(theirs)) {
-        record_error(err_ptr, 3, peer, op_seq, op, what, watch.word, theirs, 0, 0);
+      // (a counter that arrived meanwhile comes first: its descriptor says more)
+      if (watch.differs(theirs) && load_acquire(flag) < target) {
+        record_error(err_ptr, gave_up_same(watch.word, theirs) ? kStopPeerStopped : kStopAnnounced, peer, op_seq,
+                     op, what, watch.word, theirs, 0, 0, announced);
         return false;
       }
     }
     if (global_ns() - start > timeout_ns) {
-      record_error(err_ptr, 1, peer, op_seq, op, what, 0, 0, target, seen);
+      record_error(err_ptr, kStopTimeout, peer, op_seq, op, what, 0, 0, target, seen, announced);
       return false;
     }
   }
@@ -98,11 +108,12 @@ __device__ bool wait_counter(const uint64_t* flag, uint64_t target, uint64_t sta
 // chunk's number, or a registered collective's RegisteredId).
 __device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
                            unsigned long long chunk, DeviceError* err_ptr, int peer,
-                           unsigned long long op_seq, const char* op) {
+                           unsigned long long op_seq, const char* op, unsigned long long announced) {
   const volatile uint64_t* d = reinterpret_cast<const volatile uint64_t*>(desc);
   const unsigned long long theirs = d[0], their_chunk = d[1];
   if (theirs == expected && their_chunk == chunk) return true;
-  record_error(err_ptr, 2, peer, op_seq, op, nullptr, expected, theirs, chunk, their_chunk);
+  record_error(err_ptr, kStopMismatch, peer, op_seq, op, nullptr, expected, theirs, chunk,
+               their_chunk, announced);
   return false;
 }
 
@@ -116,7 +127,8 @@ __device__ const char* resolve_located(const uint64_t* where, int owner, const c
                                        unsigned long long offset, unsigned long long len,
                                        const SegmentView* segments, DeviceError* err,
                                        unsigned long long op_seq, const char* op,
-                                       bool after_failure_check = true) {
+                                       bool after_failure_check = true,
+                                       unsigned long long announced = 0) {
   // (the fused kernel stops at a failed wait itself: no read of the host-side record there)
   if (after_failure_check && static_cast<volatile DeviceError*>(err)->code != 0) return nullptr;
   const Location loc = Location::decode(load_acquire(where));
@@ -126,8 +138,8 @@ __device__ const char* resolve_located(const uint64_t* where, int owner, const c
   const unsigned long long have = v->gen;
   const unsigned long long at = loc.offset + offset;
   if (base == nullptr || (have & Location::kGenMask) != loc.gen || at + len > v->bytes) {
-    record_error(err, 4, owner, op_seq, op, "a mapping of the memory of", loc.gen, have, loc.slot,
-                 at + len);
+    record_error(err, kStopMemory, owner, op_seq, op, "a mapping of the memory of", loc.gen, have,
+                 loc.slot, at + len, announced);
     return nullptr;
   }
   return base + at;

@@ -125,7 +125,7 @@ __device__ const void* located_source(const FusedOp& op, const FusedStep& s, int
   // (fused reductions are of fp32, bf16 or fp16 only: fusable())
   const unsigned long long len = copy ? s.value : s.value * (static_cast<DType>(s.dtype) == DType::F32 ? 4 : 2);
   return where ? resolve_located(where, copy ? s.n : j, staged, s.desc_id, len, op.segments, op.err,
-                                 op.op_seq, op.op, false)
+                                 op.op_seq, op.op, false, op.watch_slots ? op.watch_word : 0)
                : staged;
 }
 
@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
                             op.timeout_ns, op.err, op.peers[k], op.op_seq, op.op, s.what,
                             PeerWatch{op.watch_slots, op.watch_word}) ||
               (s.desc && !check_desc(static_cast<const uint64_t*>(op.ptrs[k + s.n]), s.desc,
-                                     s.desc_id, op.err, op.peers[k], op.op_seq, op.op))) {
+                                     s.desc_id, op.err, op.peers[k], op.op_seq, op.op,
+                                     op.watch_slots ? op.watch_word : 0))) {
             failed = 1;
           }
         }

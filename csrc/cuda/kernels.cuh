@@ -11,13 +11,16 @@
 
 namespace odc {
 
+constexpr int kMaxPeers = 64;
+
 // Written by a device-side wait that timed out or found a peer's descriptor different
 // from this rank's; read by the host (mapped memory).
 struct DeviceError {
-  int code;  // 0: none, 1: a wait timed out, 2: a descriptor mismatch, 3: a peer announced
-             // another collective at this point (mine / theirs: the announcements), 4: a peer
-             // named a segment not mapped here (mine / theirs: its generation and ours; target:
-             // the slot)
+  int code;  // 0: none, else a StopCode (layout.hpp): 1 a wait timed out, 2 a descriptor
+             // mismatch, 3 a peer announced another collective at this point (mine / theirs:
+             // the announcements), 4 a peer named a segment not mapped here (mine / theirs: its
+             // generation and ours; target: the slot), 5 a peer gave the collective up (theirs:
+             // its word, layout.hpp kAnnounceStopped)
   int peer;
   unsigned long long op_seq;
   unsigned long long target;  // timeout: the counter value waited for, and the one seen;
@@ -26,9 +29,13 @@ struct DeviceError {
   unsigned long long theirs;
   const char* op;    // WaitSite strings are literals: their addresses stay valid
   const char* what;
+  // Set when the transport is made: this rank's announcement slots in each peer's window
+  // ([kAnnounceSlots] words each; peers NVSHMEM routes are left out). The first failure stores
+  // the collective's announcement, marked given up, there (stopped_word).
+  uint64_t* notify[kMaxPeers];
+  int n_notify;
 };
 
-constexpr int kMaxPeers = 64;
 constexpr int kSignalBatches = 4;  // e.g. the announcement, descriptors, chunk numbers, the data counters
 
 // What a device-side wait checks of each peer it waits for, alike in a flag kernel and a

@@ -11,7 +11,8 @@ __device__ bool check_peer(const WaitCheck& c, const uint64_t* flag, const uint6
   return wait_counter(flag, c.target, start, c.timeout_ns, c.err, peer, c.op_seq, c.op, c.what,
                       PeerWatch{c.watch_slots, c.watch_word}) &&
          (!c.desc_expected ||
-          check_desc(desc, c.desc_expected, c.desc_id, c.err, peer, c.op_seq, c.op));
+          check_desc(desc, c.desc_expected, c.desc_id, c.err, peer, c.op_seq, c.op,
+                     c.watch_slots ? c.watch_word : 0));
 }
 
 __global__ void flag_kernel(FlagOp op) {

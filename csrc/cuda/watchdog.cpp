@@ -68,11 +68,25 @@ bool CudaTransport::announced_other(const Tracked& op) {
       e->op = w.site.op;
       e->what = w.site.what;
       std::atomic_thread_fence(std::memory_order_seq_cst);
-      e->code = 3;
+      e->code = gave_up_same(op.watch.word, theirs) ? kStopPeerStopped : kStopAnnounced;
+      tell_peers_given_up(op.watch, e->code);
     }
     return true;
   }
   return false;
+}
+
+// What record_error does on the device after a failure (layout.hpp, kAnnounceStopped), from
+// the host: the waits the watchdog diagnoses are stream memory operations.
+void CudaTransport::tell_peers_given_up(const PeerWatch& watch, int code) {
+  if (!watch.slots) return;
+  const uint64_t stopped = stopped_word(watch.word, code);  // read before the synchronisation
+  const uint64_t slot = (watch.word & kAnnounceSeqMask) % kAnnounceSlots;
+  for (int i = 0; i < err_host_->n_notify; ++i) {
+    (void)cudaMemcpyAsync(err_host_->notify[i] + slot, &stopped, sizeof(stopped),
+                          cudaMemcpyHostToDevice, wd_stream_);
+  }
+  (void)cudaStreamSynchronize(wd_stream_);
 }
 
 bool CudaTransport::diagnose_and_release(const Tracked& op) {
@@ -99,7 +113,8 @@ bool CudaTransport::diagnose_and_release(const Tracked& op) {
       e->op = w.site.op;
       e->what = w.site.what;
       std::atomic_thread_fence(std::memory_order_seq_cst);
-      e->code = 1;
+      e->code = kStopTimeout;
+      tell_peers_given_up(op.watch, e->code);
     }
   }
   if (!unmet) return false;
@@ -132,7 +147,8 @@ std::string CudaTransport::async_error() {
                       " named memory this rank cannot read (its segment " + std::to_string(e->target) +
                       ", generation " + std::to_string(e->mine) + ", up to byte " + std::to_string(e->seen) +
                       "; this rank has generation " + std::to_string(e->theirs) + "); nothing was read"
-      : code == 3 ? describe_announced(site, a_.rank, e->peer, e->mine, e->theirs)
+      : code == kStopAnnounced || code == kStopPeerStopped
+          ? describe_announced(site, a_.rank, e->peer, e->mine, e->theirs)
       : code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs, e->target, e->seen)
                   : describe_wait(site, e->peer, e->target, e->seen, a_.timeout());
   return text + " (detected on the GPU; results of this and later collectives are invalid)";

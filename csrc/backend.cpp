@@ -180,8 +180,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
       C10_THROW_ERROR(DistBackendError, err);
     }
   }
-  const uint64_t seq = ++seq_;
+  // (before the collective's number: a launch refused here issues nothing)
   const std::unique_ptr<DeviceLaunch> on_device = begin_launch(ch, async_op);
+  const uint64_t seq = ++seq_;
   void* stream = on_device->stream();
   try {
     // One collective of the group: numbered and announced to the peers (protocol.hpp).

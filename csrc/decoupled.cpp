@@ -5,11 +5,8 @@
 #include <torch/csrc/distributed/c10d/exception.h>
 
 #include "cuda_setup.hpp"
+#include "device_work.hpp"
 #include "text.hpp"
-
-#ifdef ODC_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace odc {
 
@@ -59,11 +56,7 @@ template <typename F>
 void DecoupledArena::op(Transport::Ring ring, F&& fn) {
   const std::string err = transport_->async_error();
   if (!err.empty()) throw CommError(err);
-  void* stream = nullptr;
-#ifdef ODC_WITH_CUDA
-  if (device_.is_cuda()) stream = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
-#endif
-  transport_->begin_op(stream, ring);
+  transport_->begin_op(current_stream(device_, "a decoupled get or add"), ring);
   fn();
   transport_->end_op();
 }

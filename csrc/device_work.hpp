@@ -44,6 +44,13 @@ class DeviceLaunch {
                                                    bool blocking, bool ends_with_op) = 0;
 };
 
+// The caller's current stream of `device` for an operation of odc (`what`, for the error):
+// nullptr on the host. Refuses (NotImplementedError, before anything is issued) a stream being
+// captured into a CUDA graph: odc's waits and signals compare with counters that grow with every
+// operation, so a replayed graph would find its waits already met and read before its peers
+// wrote.
+void* current_stream(const c10::Device& device, const char* what);
+// Begins a launch on `ch`'s device (refusing capture, as current_stream).
 std::unique_ptr<DeviceLaunch> begin_launch(Channel& ch, bool async_op);
 // The host's launch (no stream, nothing to wait for): what begin_launch gives host tensors.
 std::unique_ptr<DeviceLaunch> host_launch();

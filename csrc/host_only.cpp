@@ -8,6 +8,7 @@
 namespace odc {
 
 std::unique_ptr<DeviceLaunch> begin_launch(Channel&, bool) { return host_launch(); }
+void* current_stream(const c10::Device&, const char*) { return nullptr; }
 RegisteredPool::StreamOrder stream_order(const c10::Device&) { return {}; }
 void release_device(Channel&) {}
 

@@ -32,7 +32,7 @@ std::string cat(const Args&... args) {
 }  // namespace odc
 
 // TORCH_CHECK-alikes whose message is built by odc::cat. kind: Error, ValueError,
-// TypeError, DistBackendError (c10's error classes).
+// TypeError, NotImplementedError, DistBackendError (c10's error classes).
 #define ODC_CHECK(cond, kind, ...)                                \
   do {                                                            \
     if (C10_UNLIKELY(!(cond))) {                                  \

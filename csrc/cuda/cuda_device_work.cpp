@@ -4,6 +4,7 @@
 // ordered on streams by events. Host tensors get the host's launch.
 #include "../cuda_setup.hpp"
 #include "../device_work.hpp"
+#include "../text.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -15,6 +16,20 @@
 
 namespace odc {
 namespace {
+
+// The caller's current stream, refused while it is being captured (device_work.hpp,
+// current_stream).
+c10::cuda::CUDAStream current_cuda_stream(const c10::Device& device, const char* what) {
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capturing));
+  ODC_CHECK(capturing == cudaStreamCaptureStatusNone, NotImplementedError, "odc: ", what,
+            " on ", device, " cannot be captured into a CUDA graph: odc's waits and signals "
+            "compare with counters that grow with every operation, so a replay would find its "
+            "waits already met and read before the peers wrote. Capture only the computation "
+            "and run odc's collectives outside the graph, or use a NCCL group inside it");
+  return stream;
+}
 
 // done: a cudaEvent_t recorded on op_stream after the work. blocking: wait() blocks the host.
 class CudaCompletion final : public DeviceCompletion {
@@ -65,7 +80,7 @@ class CudaLaunch final : public DeviceLaunch {
   CudaLaunch(Channel& ch, bool async_op)
       : transport_(*ch.transport),
         async_op_(async_op),
-        op_stream_(c10::cuda::getCurrentCUDAStream(ch.device.index())) {
+        op_stream_(current_cuda_stream(ch.device, "a collective")) {
     if (async_op) {  // the group's own stream, after the caller's work so far
       const c10::cuda::CUDAStream current = op_stream_;
       op_stream_ = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(ch.async_stream),
@@ -98,6 +113,10 @@ class CudaLaunch final : public DeviceLaunch {
 };
 
 }  // namespace
+
+void* current_stream(const c10::Device& device, const char* what) {
+  return device.is_cuda() ? current_cuda_stream(device, what).stream() : nullptr;
+}
 
 std::unique_ptr<DeviceLaunch> begin_launch(Channel& ch, bool async_op) {
   if (!ch.device.is_cuda()) return host_launch();

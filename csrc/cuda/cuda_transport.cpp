@@ -58,6 +58,12 @@ CudaTransport::CudaTransport(const TransportArgs& args, const CudaTransportOptio
                       cudaHostAllocMapped),
         "allocating the error record");
   std::memset(err_host_, 0, sizeof(DeviceError));
+  for (int p = 0; p < a_.world; ++p) {  // where a failure is told to the peers (DeviceError)
+    if (p != a_.rank && !memory_->routed(bases_[p])) {
+      err_host_->notify[err_host_->n_notify++] =
+          reinterpret_cast<uint64_t*>(bases_[p] + a_.layout.announce_slot(a_.rank, 0));
+    }
+  }
   check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0),
         "mapping the error record");
   pending_.assign(a_.world, PendingSignals{});
@@ -191,13 +197,8 @@ void CudaTransport::begin_op(void* stream, Ring ring) {
   ptrs_.clear();
   peers_.clear();
   if (segments_) {  // the peers' segments shared since the last operation (host work only)
-    // Not while the stream is captured into a CUDA graph: mapping and updating the table
-    // synchronise, which capture refuses. The next operation outside capture catches up.
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    check(cudaStreamIsCapturing(op_stream_, &capturing), "cudaStreamIsCapturing");
-    capturing_ = capturing != cudaStreamCaptureStatusNone;
     DeviceGuard g(device_);
-    if (!capturing_) segments_->refresh();
+    segments_->refresh();
   }
 }
 
@@ -255,8 +256,7 @@ void CudaTransport::reduce(int lane, void* dst, const std::vector<const void*>& 
 }
 
 uint64_t CudaTransport::locate(const void* p, size_t bytes) {
-  // Under capture only segments shared before: no IPC handle is made there.
-  return segments_ ? segments_->locate(p, bytes, /*may_share=*/!capturing_) : 0;
+  return segments_ ? segments_->locate(p, bytes) : 0;
 }
 
 void CudaTransport::copy_located(int lane, void* dst, const Located& src, size_t bytes) {
@@ -317,6 +317,9 @@ void CudaTransport::end_op() {
     ring_stream_[also_] = op_stream_;
   }
   last_done_ = ring_done_[ring_];
+  // What a segment freed from now on waits for before its end is told to the peers: the last
+  // operation of each ring that may read this rank's inputs in place.
+  if (segments_) segments_->issued({ring_done_[kAgRing], ring_done_[kRsRing]});
 }
 
 std::shared_ptr<void> CudaTransport::completion(void* stream, bool after_last_op) {

@@ -132,6 +132,7 @@ class CudaTransport final : public Transport {
   void load_memops();
   void watchdog_loop();
   bool diagnose_and_release(const Tracked& op);  // caller holds wd_mu_
+  void tell_peers_given_up(const PeerWatch& watch, int code);
 
 
   // ---- Puts on the copy engines (put_after; puts.cpp): a CUDA graph per set of puts, made at its
@@ -263,7 +264,6 @@ class CudaTransport final : public Transport {
   DeviceError* err_dev_ = nullptr;
   // Direct collectives (ODC_ZERO_COPY): the segments this rank and its peers share.
   std::unique_ptr<SegmentTable> segments_;
-  bool capturing_ = false;  // the operation begun is captured into a CUDA graph
 };
 
 }  // namespace odc

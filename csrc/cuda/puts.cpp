@@ -167,15 +167,9 @@ void CudaTransport::build_puts(const std::vector<PutSet>& sets, PutGraph& g) {
 }
 
 // Before anything of the operation is enqueued (its "ready" among it): a graph that cannot
-// be made (or a stream being captured) fails the call before any peer may write here.
+// be made fails the call before any peer may write here. (No operation is captured into a
+// user's graph: the launch refuses capture, device_work.hpp.)
 CudaTransport::PutRun CudaTransport::prepare_puts(size_t first, size_t end) {
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  check(cudaStreamIsCapturing(op_stream_, &capturing), "cudaStreamIsCapturing");
-  if (capturing != cudaStreamCaptureStatusNone) {
-    throw std::invalid_argument(
-        "odc: a pushed all-gather (ODC_AG_PUSH) on the copy engines cannot be captured in a CUDA "
-        "graph: set ODC_AG_PUSH=0 on every rank");
-  }
   std::vector<uintptr_t> key;  // where each put reads, writes and signals
   for (size_t i = first; i < end; ++i) {
     const Step& s = steps_[i];

@@ -107,7 +107,7 @@ std::atomic<uint64_t>& SegmentTable::acked(int reader, int owner, int slot) {
   return words[static_cast<size_t>(owner) * kSegmentSlots + slot];
 }
 
-uint64_t SegmentTable::locate(const void* p, size_t bytes, bool may_share) {
+uint64_t SegmentTable::locate(const void* p, size_t bytes) {
   GetAttributesFn attrs = get_attributes();
   if (!attrs || bytes == 0) return 0;
   CUdeviceptr start = 0;
@@ -126,7 +126,6 @@ uint64_t SegmentTable::locate(const void* p, size_t bytes, bool may_share) {
     end_export(base);
     it = exports_.end();
   }
-  if (it == exports_.end() && !may_share) return 0;
   if (it == exports_.end()) {
     Export e{-1, 0, id};
     cudaIpcMemHandle_t handle;
@@ -163,11 +162,35 @@ void SegmentTable::end_export(uintptr_t base) {
   auto it = exports_.find(base);
   if (it == exports_.end()) return;
   const Export e = it->second;
-  exports_.erase(it);
+  exports_.erase(it);  // named by no later operation
   if (e.slot < 0) return;
-  entry(a_.rank, e.slot).word.store(e.gen << 1, std::memory_order_release);  // ended
-  version(a_.rank).fetch_add(1, std::memory_order_release);
-  free_slots_.push_back(e.slot);
+  ending_.push_back(Ending{e.slot, e.gen, issued_});  // told once what was issued completed
+}
+
+void SegmentTable::tell_ended() {
+  auto done = [](const std::shared_ptr<void>& ev) {
+    if (!ev) return true;
+    const cudaError_t r = cudaEventQuery(static_cast<cudaEvent_t>(ev.get()));
+    if (r == cudaErrorNotReady) (void)cudaGetLastError();
+    return r != cudaErrorNotReady;  // (an error elsewhere: the group fails on its own)
+  };
+  bool told = false;
+  for (auto it = ending_.begin(); it != ending_.end();) {
+    if (!std::all_of(it->after.begin(), it->after.end(), done)) {
+      ++it;
+      continue;
+    }
+    entry(a_.rank, it->slot).word.store(it->gen << 1, std::memory_order_release);  // ended
+    free_slots_.push_back(it->slot);
+    told = true;
+    it = ending_.erase(it);
+  }
+  if (told) version(a_.rank).fetch_add(1, std::memory_order_release);
+}
+
+void SegmentTable::issued(std::vector<std::shared_ptr<void>> last_ops) {
+  std::lock_guard<std::mutex> lk(mu_);
+  issued_ = std::move(last_ops);
 }
 
 void SegmentTable::segment_freed(int device, uintptr_t base) {
@@ -180,6 +203,10 @@ void SegmentTable::segment_freed(int device, uintptr_t base) {
 }
 
 void SegmentTable::refresh() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    tell_ended();
+  }
   for (int owner = 0; owner < a_.world; ++owner) {
     if (owner == a_.rank) continue;
     const uint64_t v = version(owner).load(std::memory_order_acquire);

@@ -11,9 +11,12 @@
 // then it stages it (Protocol::all_gather_direct), so no host ever waits for another.
 // An entry ends when the caching allocator frees its segment (its trace hook, as
 // ProcessGroupNCCL's registration hook) or when another allocation is found at its address (a
-// new buffer id); its peers close their mapping at their next operation. A segment is freed only
-// after the collectives that read it completed, and an owner's collective completes only after
-// every reader said it is done: a mapping is never closed while read, never read once closed.
+// new buffer id). The owner tells its peers only once the operations it had issued by then have
+// completed (their events, issued()): the allocator's hook comes before cudaFree, while this
+// rank's GPU may still run a collective that names the segment and whose readers, lagging,
+// have not read it yet; an owner's collective completes only after every reader said it is
+// done. Its peers close their mapping at their next operation after that: a mapping is never
+// closed while read, never read once closed, and its slot is given again only then.
 // Memory that cannot be shared this way (expandable segments, a pool of another allocator) is
 // remembered and always staged.
 #pragma once
@@ -22,6 +25,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -39,10 +43,14 @@ class SegmentTable {
   SegmentTable& operator=(const SegmentTable&) = delete;
 
   // The owner: the Location word (layout.hpp) of `bytes` at `p` where every peer has its
-  // segment mapped, else 0 (shared now if new and may_share; a later call finds it mapped).
-  uint64_t locate(const void* p, size_t bytes, bool may_share = true);
-  // Before each operation: map the peers' new segments, close the ended ones, acknowledge.
+  // segment mapped, else 0 (shared now if new; a later call finds it mapped).
+  uint64_t locate(const void* p, size_t bytes);
+  // Before each operation: tell the peers of segments whose end is due (above), map the
+  // peers' new segments, close the ended ones, acknowledge.
   void refresh();
+  // After each operation: the events of the last operation of each ring that reads inputs in
+  // place (null: none yet); a segment freed from now on is told ended once they completed.
+  void issued(std::vector<std::shared_ptr<void>> last_ops);
   // [world][kSegmentSlots], for the kernels (device memory: many blocks read it at once).
   const SegmentView* views() const { return views_; }
   // The caching allocator returned the segment at `base` of `device` to the driver.
@@ -59,6 +67,11 @@ class SegmentTable {
     uint64_t gen;
     unsigned long long buffer_id;
   };
+  struct Ending {  // an export whose segment was freed, told to the peers once `after` completed
+    int slot;
+    uint64_t gen;
+    std::vector<std::shared_ptr<void>> after;  // cudaEvent_t
+  };
   struct Mapping {  // a peer's entry as this rank has it
     char* ptr = nullptr;
     uint64_t gen = 0;
@@ -68,6 +81,7 @@ class SegmentTable {
   Entry& entry(int rank, int slot);
   std::atomic<uint64_t>& acked(int reader, int owner, int slot);
   void end_export(uintptr_t base);  // mu_ held
+  void tell_ended();                 // the due endings (mu_ held)
   void refresh_owner(int owner);
   // The kernels' view of a peer's slot, in place once this returns.
   void set_view(int owner, int slot, const SegmentView& v);
@@ -79,6 +93,8 @@ class SegmentTable {
   std::mutex mu_;  // the owner's state (the allocator's hook comes from any thread)
   std::unordered_map<uintptr_t, Export> exports_;
   std::vector<int> free_slots_;
+  std::vector<Ending> ending_;                 // freed, not yet told
+  std::vector<std::shared_ptr<void>> issued_;  // issued()
   std::vector<uint64_t> gens_;                 // per slot: its last generation
   std::vector<std::vector<Mapping>> mapped_;   // [owner][slot]
   std::vector<uint64_t> seen_;                 // per owner: the version last read

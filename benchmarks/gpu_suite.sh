@@ -133,7 +133,7 @@ GPU_TESTS=(-m gpu tests/test_collectives.py tests/test_fsdp2.py tests/test_decou
            tests/test_callers.py tests/integrations/test_zero_code_change.py)
 GPU_SUITES=(-m gpu tests/test_collectives.py tests/test_fsdp2.py tests/test_decoupled.py)
 # The whole GPU suite in parts (stages suite_a/b/c), about 25 tests each (11-15 s a test)
-SUITE_A=(tests/test_collectives.py tests/test_zero_copy.py tests/test_lab.py)
+SUITE_A=(tests/test_collectives.py tests/test_shared_gpus.py tests/test_zero_copy.py tests/test_lab.py)
 SUITE_B=(tests/test_registered.py tests/test_fsdp2.py tests/test_dynamic_balance.py
          tests/test_skipped_modules.py tests/test_hosts.py)
 SUITE_C=(tests/test_decoupled.py tests/test_callers.py tests/integrations/test_zero_code_change.py)

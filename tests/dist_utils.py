@@ -1,7 +1,7 @@
 """Run a function on N local processes with a real process group, collect results.
 
-Every worker is a fresh process (spawned on GPU machines; on CPU forked from a server that
-imported torch once) with the caller's environment; a worker that raises, hangs past the
+Every worker is a fresh process (forked from a server that imported torch once, or spawned
+with ODC_TEST_SPAWN=1) with the caller's environment; a worker that raises, hangs past the
 deadline or dies makes the whole call fail with every rank's traceback.
 """
 from __future__ import annotations
@@ -63,12 +63,15 @@ DEVICE_ID_SUITE = os.environ.get("ODC_TEST_DEVICE_ID") == "1"
 
 
 def _context():
-    """spawn where CUDA is available (what the GPU suites run with); elsewhere a forkserver
-    that imported torch once: a rank then starts in about 0.1 s instead of the 1.5-2 s of
-    importing torch, most of a CPU test's time. What `import torch` itself reads
-    (ODC_DEFAULT_BACKEND through the autoload entry point, TORCH_DEVICE_BACKEND_AUTOLOAD) is
-    then the server's: tests of those run a subprocess of their own (test_knob_errors.py)."""
-    if torch.cuda.is_available():
+    """A forkserver that imported torch once: a rank then starts in about 0.1 s instead of the
+    1.5-3 s of importing torch, most of a test's time on CPU and much of it on GPUs. The server
+    never touches CUDA (importing torch does not initialise it), so each worker initialises
+    CUDA itself, after it took the caller's environment (CUDA_VISIBLE_DEVICES and the like),
+    as a spawned one would. What `import torch` itself reads (ODC_DEFAULT_BACKEND through the
+    autoload entry point, TORCH_DEVICE_BACKEND_AUTOLOAD) is then the server's: tests of those
+    run a subprocess of their own (test_knob_errors.py). ODC_TEST_SPAWN=1 spawns every worker
+    afresh instead."""
+    if os.environ.get("ODC_TEST_SPAWN") == "1":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])

@@ -39,8 +39,17 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype) -> bool:
     return torch.allclose(got.double().cpu(), want, rtol=tol, atol=tol)
 
 
-def _mix_worker(rank, world, calls):
+def _mix_worker(rank, world, calls, engine_env=None):
+    """`engine_env`: knobs rank 1 alone sets for the group the calls run on (only how it runs its
+    own steps: the ranks still agree on everything their peers read)."""
+    import os
+
     dev = _device()
+    if engine_env and rank == 1:
+        os.environ.update(engine_env)
+    group = dist.new_group(list(range(world)))  # its options are read now
+    for k in engine_env or {}:
+        os.environ.pop(k, None)
     plan = random.Random(1234)  # the same sequence of collectives on every rank
     skew = random.Random(rank)  # each rank out of step in its own way
     errors = []
@@ -57,29 +66,29 @@ def _mix_worker(rank, world, calls):
             torch.cuda._sleep(int(skew.random() * 2e7))  # this rank's GPU late
         if kind == "ag":
             out = torch.full((world * n,), float("nan"), dtype=dtype, device=dev)
-            dist.all_gather_into_tensor(out, ins[rank].to(dev))
+            dist.all_gather_into_tensor(out, ins[rank].to(dev), group=group)
             ok = torch.equal(out.cpu(), torch.cat(ins))
         elif kind == "rs":
             out = torch.full((n,), float("nan"), dtype=dtype, device=dev)
             full = [_input(i, r, world * n, dtype) for r in range(world)]
-            dist.reduce_scatter_tensor(out, full[rank].to(dev), op=op)
+            dist.reduce_scatter_tensor(out, full[rank].to(dev), op=op, group=group)
             want = torch.stack([f.double() for f in full]).sum(0)[rank * n:(rank + 1) * n]
             ok = _close(out, want / world if op == R.AVG else want, dtype)
         elif kind == "ar":
             t = ins[rank].to(dev)
-            dist.all_reduce(t, op=op)
+            dist.all_reduce(t, op=op, group=group)
             stacked = torch.stack([x.double() for x in ins])
             ok = _close(t, stacked.sum(0) if op == R.SUM else stacked.max(0).values, dtype)
         else:
             t = ins[rank].to(dev) if rank == root else torch.full((n,), float("nan"), dtype=dtype, device=dev)
-            dist.broadcast(t, src=root)
+            dist.broadcast(t, src=root, group=group)
             ok = torch.equal(t.cpu(), ins[root])
         if not ok:
             errors.append(f"call {i}: {kind} of {n} {dtype} (op {op}, root {root}) differs from the reference")
     torch.cuda.synchronize()
     from torch_odc_backend import backend_stats
 
-    return errors, backend_stats(device=str(dev))
+    return errors, backend_stats(group, device=str(dev))
 
 
 @gpu_test(2)
@@ -93,6 +102,17 @@ def test_mixed_collectives_with_more_ranks_than_gpus(world):
         assert not errors, f"rank {rank}: " + "\n".join(errors)
         # every rank served the all-reduces and broadcasts itself (NCCL refuses the layout)
         assert stats.get("own_all_reduce_ops", 0) > 0 and stats.get("own_broadcast_ops", 0) > 0, (rank, stats)
+
+
+@gpu_test(2)
+def test_ranks_on_different_engines_work_together():
+    """Rank 1 runs every collective on the copy engines (ODC_SMALL_OP_BYTES=0), rank 0 its small
+    ones on the fused kernel: an engine is a rank's own choice, the protocol is the same."""
+    res = run_distributed(_mix_worker, 2, 40, {"ODC_SMALL_OP_BYTES": "0"}, backend=BACKEND,
+                          env=dict(GPU_ENV), timeout_s=60, deadline_s=300)
+    for rank, (errors, stats) in res.items():
+        assert not errors, f"rank {rank}: " + "\n".join(errors)
+        assert (stats.get("fused_ops", 0) > 0) == (rank == 0), (rank, stats)
 
 
 def _capture_worker(rank, world):

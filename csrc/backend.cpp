@@ -85,7 +85,7 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::split(const c10::intrusive_ptr<c10
   // The new group's options: odc options handed back (c10d's copy of getBackendOptions, or
   // the caller's), else this group's; then the new group's name, ranks and timeout.
   const auto* given = dynamic_cast<const odc::Options*>(opts.get());
-  c10::intrusive_ptr<odc::Options> o = given ? given->clone() : options_->clone();
+  c10::intrusive_ptr<odc::Options> o = given ? given->copy() : options_->copy();
   o->group_name = opts && !opts->group_name.empty() ? opts->group_name
                                                      : options_->group_name + ":split";
   o->global_ranks_in_group.assign(global.begin(), global.end());

@@ -98,9 +98,9 @@ void bind_options(BackendClass& backend) {
            "Whether a group of these global ranks reaches some CUDA peer over NVSHMEM.")
       .def("uses_nvshmem", &O::uses_nvshmem, py::arg("global_ranks"),
            "Whether such a group's CUDA windows live in NVSHMEM's heap.")
-      .def("clone", &O::clone)
-      .def("__copy__", [](const O& o) { return o.clone(); })
-      .def("__deepcopy__", [](const O& o, const py::dict&) { return o.clone(); });
+      .def("clone", &O::copy)
+      .def("__copy__", [](const O& o) { return o.copy(); })
+      .def("__deepcopy__", [](const O& o, const py::dict&) { return o.copy(); });
 }
 
 // The backend: made by _backend.py's creator, with its statistics, arenas and claims.

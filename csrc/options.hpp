@@ -61,7 +61,11 @@ struct Options final : c10d::Backend::Options {
       std::chrono::milliseconds timeout = ::kBackendDefaultTimeout) {
     return c10::make_intrusive<Options>(timeout);
   }
-  c10::intrusive_ptr<Options> clone() const { return c10::make_intrusive<Options>(*this); }
+  // A copy with every odc field. Declared as c10d's virtual Backend::Options::clone (torch >=
+  // 2.14), which it then overrides (c10d's split clones the options it hands a child backend,
+  // and would fall back to sharing a sliced copy); before 2.14 a plain member of this class.
+  c10::intrusive_ptr<c10d::Backend::Options> clone() const { return copy(); }
+  c10::intrusive_ptr<Options> copy() const { return c10::make_intrusive<Options>(*this); }
 
   size_t chunk_bytes = 0;         // ODC_CHUNK_BYTES: bytes per ring slot; 0: per device (above)
   int ring_slots = kDefaultSlots; // ODC_RING_SLOTS: ring depth per channel

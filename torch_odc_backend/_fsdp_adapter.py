@@ -3,7 +3,7 @@ policy and the gradient divide factor, which FSDP2 exposes no getter for, and wh
 Parameter and storage FSDP2 gathers each sharded parameter from;
 ``ODC_FSDP_REGISTERED_MEMORY`` needs the process groups a module communicates on).
 
-Checked against torch 2.11 and 2.13 (tests/test_decoupled.py exercises it); other
+Checked against torch 2.11, 2.13, 2.14 and 2.15 (tests/test_decoupled.py exercises it); other
 versions are refused with a message rather than read blindly.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_TORCH = ("2.11", "2.12", "2.13")
+SUPPORTED_TORCH = ("2.11", "2.12", "2.13", "2.14", "2.15")
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,33 @@ def group_policy(module) -> GroupPolicy | None:
         raise ValueError("odc decoupled mode supports one FSDP parameter group per module "
                          "(do not pass shard_placement_fn groups)")
     g = groups[0]
-    mp = g.mp_policy
-    return GroupPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+    param_dtype, reduce_dtype = _group_dtypes(g)
+    return GroupPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        gradient_divide_factor=getattr(g, "gradient_divide_factor", None),
                        force_sum_reduction=bool(getattr(g, "force_sum_reduction_for_comms", False)),
                        params=tuple(fp.sharded_param for fp in g.fsdp_params),
                        padded_shard_sizes=tuple(fp.padded_sharded_param_size for fp in g.fsdp_params))
+
+
+def _group_dtypes(g) -> tuple:
+    """(param_dtype, reduce_dtype) of a parameter group, as GroupPolicy documents them."""
+    mp = getattr(g, "mp_policy", None)
+    if mp is not None:  # torch <= 2.14: one policy per group
+        return mp.param_dtype, mp.reduce_dtype
+    # torch 2.15: a policy per parameter (MixedPrecisionPolicy.param_dtype_override_fn), and
+    # reduce_dtype=None reduces in the gradient's dtype (the parameter's own unless grad_dtype
+    # was set), no longer in param_dtype
+    policies = {(fp.mp_policy.param_dtype, fp.mp_policy.reduce_dtype) for fp in g.fsdp_params}
+    if len(policies) != 1:
+        raise ValueError("odc decoupled mode supports one mixed-precision policy per FSDP module "
+                         "(no param_dtype_override_fn that changes it)")
+    param_dtype, reduce_dtype = policies.pop()
+    if reduce_dtype is None:
+        if any(getattr(fp, "_has_sharded_grad_dtype_override", False) for fp in g.fsdp_params):
+            raise ValueError("odc decoupled mode: set MixedPrecisionPolicy.reduce_dtype when "
+                             "parameters have a grad_dtype of their own")
+        reduce_dtype = g.fsdp_params[0].sharded_param.dtype
+    return param_dtype, reduce_dtype
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ odc" (it then asks CUDA for eager module loading, which odc needs, if CUDA is no
 ODC_DEFAULT_BACKEND with cuda asks for it here). A bad knob or a broken install must not
 break ``import torch`` for the user's other work: a broken install is one warning here. A bad
 ODC_DEFAULT_BACKEND is silent here, since every process that imports torch runs this hook
-(torchrun's launcher too): ``import torch_odc_backend`` warns about it once (warn_knob_error)
-and the first process group raises it (check_knobs).
+(torchrun's launcher too), and so is ``import torch_odc_backend``: the one message is the
+error the first process group raises, where the value takes effect (check_knobs).
 """
 from __future__ import annotations
 
@@ -33,17 +33,6 @@ def default_backend_devices() -> list[str]:
 
 # A bad ODC_DEFAULT_BACKEND, kept for the first odc group to raise (check_knobs).
 _knob_error: ValueError | None = None
-_knob_warned = False  # warn_knob_error warned in this process
-
-
-def warn_knob_error() -> None:
-    """Warn, once per process, about a bad ODC_DEFAULT_BACKEND (``import torch_odc_backend``
-    calls it; the ``import torch`` hook does not, so torchrun's launcher stays quiet)."""
-    global _knob_warned
-    if _knob_error is not None and not _knob_warned:
-        _knob_warned = True
-        warnings.warn(f"torch_odc_backend: {_knob_error}; odc is the default backend of every device "
-                      "and the first process group will raise this error", RuntimeWarning, stacklevel=4)
 
 
 def check_knobs() -> None:
@@ -87,7 +76,7 @@ def register(creator=_create) -> list[str]:
 
 def autoload() -> None:
     try:
-        devices = register()  # a bad ODC_DEFAULT_BACKEND: silent here (warn_knob_error)
+        devices = register()  # a bad ODC_DEFAULT_BACKEND: silent here (the first group raises it)
         if "cuda" in devices and os.environ.get("ODC_ALLOW_LAZY_LOADING") != "1":
             os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # before CUDA starts: odc needs it
     except Exception as e:  # noqa: BLE001

@@ -102,10 +102,9 @@ def _require_eager_module_loading() -> None:
 
 def _setup() -> None:
     # register: also what `import torch` ran, if it did
-    from _torch_odc_backend_autoload import register, warn_knob_error
+    from _torch_odc_backend_autoload import register
 
-    register(_create_backend)
-    warn_knob_error()  # a bad ODC_DEFAULT_BACKEND: once, here (the first group raises it)
+    register(_create_backend)  # (a bad ODC_DEFAULT_BACKEND: the first group raises it)
     _require_eager_module_loading()
 
 

@@ -55,7 +55,8 @@ std::string describe_stopped(const WaitSite& site, int rank, int peer, uint64_t 
                     : code == kStopTimeout ? "a wait of its own timed out (its error names the rank it waited for)"
                     : code == kStopMemory ? "a peer named memory it cannot read"
                     : code == kStopPeerStopped ? "another rank gave it up first"
-                                               : "of an error of its own";
+                    : code == kStopExited ? "a rank it waited for has exited"
+                                          : "of an error of its own";
   return cat("odc: ", site.op, " #", site.op_seq, ": rank ", peer, " gave up this collective because ",
              why, ", so this rank (rank ", rank, ") stopped waiting for ", site.what, " rank ", peer,
              ". The group cannot be used any more.");

@@ -153,7 +153,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--plot", metavar="FILE.json", help="only redraw the PNG of an existing result file")
     p.add_argument("--kind", default=None, help="machine kind for the file name (default: <gpu-name>-x<world>)")
-    p.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
+    p.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR),
+                   help="where the result JSON and PNG go (default: a folder under the system's "
+                        "temporary folder; benchmarks/results replaces the committed headline files)")
     p.add_argument("--sizes", type=parse_sizes, default=None,
                    help="comma list, e.g. 1M,4M,64M (bare numbers are MiB); default 1MiB..512MiB")
     p.add_argument("--ops", type=lambda s: [o.strip() for o in s.split(",") if o.strip()],

@@ -171,6 +171,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
   settle_default_backend_type();
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
+  (void)current_stream(device, "a collective");  // refuses graph capture before any set-up
   Channel& ch = channel(device);
   ODC_CHECK(ch.transport, ValueError, cross_host_refusal(ch, *options_, c10d::opTypeToString(type)));
   {

@@ -119,9 +119,17 @@ def _capture_worker(rank, world):
     dev = _device()
     inp = torch.full((1000,), float(rank), device=dev)
     out = torch.empty(world * 1000, device=dev)
-    dist.all_gather_into_tensor(out, inp)  # the group set up outside capture
-    torch.cuda.synchronize()
     refused = []
+    fresh = dist.new_group(list(range(world)))  # its first collective under capture: no set-up there
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            dist.all_gather_into_tensor(out, inp, group=fresh)
+        refused.append(None)
+    except Exception as exc:  # noqa: BLE001
+        refused.append((type(exc).__name__, str(exc)))
+    dist.all_gather_into_tensor(out, inp)  # the default group set up outside capture
+    torch.cuda.synchronize()
     for async_op in (False, True):
         graph = torch.cuda.CUDAGraph()
         try:

@@ -50,7 +50,7 @@ class DeviceLaunch {
 // operation, so a replayed graph would find its waits already met and read before its peers
 // wrote.
 void* current_stream(const c10::Device& device, const char* what);
-// Begins a launch on `ch`'s device (refusing capture, as current_stream).
+// Begins a launch on `ch`'s device (the caller refused graph capture first: current_stream).
 std::unique_ptr<DeviceLaunch> begin_launch(Channel& ch, bool async_op);
 // The host's launch (no stream, nothing to wait for): what begin_launch gives host tensors.
 std::unique_ptr<DeviceLaunch> host_launch();

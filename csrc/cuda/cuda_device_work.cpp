@@ -80,7 +80,7 @@ class CudaLaunch final : public DeviceLaunch {
   CudaLaunch(Channel& ch, bool async_op)
       : transport_(*ch.transport),
         async_op_(async_op),
-        op_stream_(current_cuda_stream(ch.device, "a collective")) {
+        op_stream_(c10::cuda::getCurrentCUDAStream(ch.device.index())) {
     if (async_op) {  // the group's own stream, after the caller's work so far
       const c10::cuda::CUDAStream current = op_stream_;
       op_stream_ = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(ch.async_stream),

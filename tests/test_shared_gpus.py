@@ -115,29 +115,26 @@ def test_ranks_on_different_engines_work_together():
         assert (stats.get("fused_ops", 0) > 0) == (rank == 0), (rank, stats)
 
 
+def _captured(call):
+    """None if `call` was captured into a CUDA graph, else (exception type, message)."""
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            call()
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+
+
 def _capture_worker(rank, world):
     dev = _device()
     inp = torch.full((1000,), float(rank), device=dev)
     out = torch.empty(world * 1000, device=dev)
-    refused = []
     fresh = dist.new_group(list(range(world)))  # its first collective under capture: no set-up there
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            dist.all_gather_into_tensor(out, inp, group=fresh)
-        refused.append(None)
-    except Exception as exc:  # noqa: BLE001
-        refused.append((type(exc).__name__, str(exc)))
+    refused = [_captured(lambda: dist.all_gather_into_tensor(out, inp, group=fresh))]
     dist.all_gather_into_tensor(out, inp)  # the default group set up outside capture
     torch.cuda.synchronize()
     for async_op in (False, True):
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                dist.all_gather_into_tensor(out, inp, async_op=async_op)
-            refused.append(None)
-        except Exception as exc:  # noqa: BLE001
-            refused.append((type(exc).__name__, str(exc)))
+        refused.append(_captured(lambda: dist.all_gather_into_tensor(out, inp, async_op=async_op)))
     inp.fill_(10.0 + rank)
     dist.all_gather_into_tensor(out, inp)  # nothing was issued: the group goes on
     return refused, out.cpu().tolist()

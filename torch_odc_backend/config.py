@@ -12,13 +12,24 @@ import os
 import re
 from typing import Any, Callable, NamedTuple
 
-from ._core import _C  # the build check first, then the compiled core
+# The compiled core's types load on first use (the build check first, then _C), so that
+# reading a process-wide knob needs no compiled core.
+_CORE_TYPES = ("OdcBackend", "Options", "TransportKind", "SelfServe")
 
-OdcBackend = _C.OdcBackend
 
-Options = OdcBackend.Options
-TransportKind = OdcBackend.TransportKind
-SelfServe = OdcBackend.SelfServe
+def _backend_class():
+    from ._core import _C
+
+    return _C.OdcBackend
+
+
+def __getattr__(name: str):
+    if name == "OdcBackend":
+        return _backend_class()
+    if name in _CORE_TYPES:
+        return getattr(_backend_class(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -69,6 +80,16 @@ def _choice(table: dict, expected: str) -> Callable[[str, str], Any]:
     return parse
 
 
+def _enum_choice(enum: str, table: dict[str, str], expected: str) -> Callable[[str, str], Any]:
+    """Like _choice, to members (by name) of the OdcBackend enum ``enum``, looked up at parse."""
+    names = _choice(table, expected)
+
+    def parse(name: str, raw: str):
+        return getattr(getattr(_backend_class(), enum), names(name, raw))
+
+    return parse
+
+
 class Knob(NamedTuple):
     env: str  # the variable
     parse: Callable[[str, str], Any]  # (name, stripped non-empty value) -> field value
@@ -96,8 +117,8 @@ KNOBS: tuple[Knob, ...] = (
          "all-gathers and reduce-scatters of CUDA tensors read each rank's input where it lies, "
          "wherever it was allocated, once the peers have its memory mapped (1); 0: staged through "
          "the rings"),
-    Knob("ODC_TRANSPORT", _choice({"auto": TransportKind.AUTO, "nvshmem": TransportKind.NVSHMEM,
-                                   "ipc": TransportKind.CUDA_IPC}, "auto, ipc or nvshmem"),
+    Knob("ODC_TRANSPORT", _enum_choice("TransportKind", {"auto": "AUTO", "nvshmem": "NVSHMEM",
+                                                         "ipc": "CUDA_IPC"}, "auto, ipc or nvshmem"),
          "transport", "CUDA peers over auto (other hosts: NVSHMEM where built, else the inner NCCL "
          "group), nvshmem (every peer) or ipc (CUDA IPC inside a host, NCCL across)"),
     # torchrun numbers ranks host by host: set it to the launcher's --nproc-per-node for
@@ -105,8 +126,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("ODC_HOST_SIZE", _int_in(1, 1 << 20), "host_size",
          "global ranks per host (unset: hosts told apart by name only)"),
     Knob("ODC_MATCH_CHECK", _flag, "match_check", "ranks check that their collectives match (1)"),
-    Knob("ODC_SELF_SERVE", _choice({"auto": SelfServe.AUTO, "1": SelfServe.ODC, "0": SelfServe.INNER},
-                                   "auto, 1 or 0"),
+    Knob("ODC_SELF_SERVE", _enum_choice("SelfServe", {"auto": "AUTO", "1": "ODC", "0": "INNER"},
+                                        "auto, 1 or 0"),
          "self_serve", "the collectives FSDP does not issue: auto (odc for CUDA tensors when ranks "
          "share a GPU or torch has no NCCL, else the inner gloo / NCCL backend), 1 odc, 0 the inner backend"),
     Knob("ODC_POOL_BYTES", _bytes, "pool_bytes",
@@ -122,7 +143,8 @@ def options_from_env(timeout=None, group_name: str = "", global_ranks=(),
                      nccl_available: bool | None = None) -> OdcBackend.Options:
     """The options of a group made now: the ODC_* knobs (``ValueError`` naming a bad one),
     the group's timeout, name and global ranks (empty: the default group)."""
-    opts = Options() if timeout is None else Options(timeout)
+    options = _backend_class().Options
+    opts = options() if timeout is None else options(timeout)
     for knob in KNOBS:
         raw = os.environ.get(knob.env, "").strip()
         if raw:

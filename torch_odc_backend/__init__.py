@@ -83,7 +83,9 @@ def _require_eager_module_loading() -> None:
     ODC_DEFAULT_BACKEND=cuda, which sets it at ``import torch``).
     ODC_ALLOW_LAZY_LOADING=1 keeps lazy loading (at that risk).
     """
-    if os.environ.get("ODC_ALLOW_LAZY_LOADING") == "1" or torch.version.cuda is None:
+    from . import config  # light: the compiled core loads on first use, not here
+
+    if config.allow_lazy_loading() or torch.version.cuda is None:
         return
     if os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER":
         return

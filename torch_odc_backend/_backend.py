@@ -39,7 +39,7 @@ def _write_stats_at_exit() -> None:
     import json
     import os
 
-    folder = os.environ.get("ODC_STATS_DIR", "")
+    folder = config.stats_dir()
     if not _STATS or not folder:
         return
     try:
@@ -47,7 +47,7 @@ def _write_stats_at_exit() -> None:
         rank = next((info["rank"] for info in groups if info["default"]), groups[0]["rank"])
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"odc_stats_rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "odc_default_backend": os.environ.get("ODC_DEFAULT_BACKEND", ""),
+            json.dump({"rank": rank, "odc_default_backend": config.default_backend_as_set(),
                        "groups": groups}, f, indent=1)
     except Exception as e:  # noqa: BLE001 - a report must never turn a finished run into a failure
         import sys
@@ -74,9 +74,7 @@ def _check_stats_dir(folder: str) -> None:
 
 def _keep_stats(backend, default: bool) -> None:
     """ODC_STATS_DIR: remember the group, to write its counters at exit."""
-    import os
-
-    folder = os.environ.get("ODC_STATS_DIR")
+    folder = config.stats_dir()
     if not folder:
         return
     _check_stats_dir(folder)
@@ -93,9 +91,7 @@ def _keep_stats(backend, default: bool) -> None:
 def _new_backend(store, rank: int, size: int, options):
     """The odc backend of one group with these options. Groups split from it (DeviceMesh,
     split_group) are made by the C++ backend itself, with the same inner-backend factory."""
-    import os
-
-    on_split = (lambda b: _keep_stats(b, default=False)) if os.environ.get("ODC_STATS_DIR") else None
+    on_split = (lambda b: _keep_stats(b, default=False)) if config.stats_dir() else None
     backend = OdcBackend(store, rank, size, options, _make_inner, on_split)
     # the default group is the one being created before the world is initialised
     _keep_stats(backend, default=not dist.is_initialized())

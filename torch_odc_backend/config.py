@@ -1,10 +1,13 @@
-"""The ODC_* environment, read into the backend's options: one table, one entry per knob.
+"""The ODC_* environment: the one module of the package that reads it.
 
-Each entry names the variable, its parser (which raises ``ValueError`` naming the variable),
-the ``OdcBackend.Options`` field it sets and what it does. An unset variable leaves the
-field at the backend's default (``csrc/options.hpp``). Knobs are read once per group
-creation; a split group inherits its parent's options instead.
-docs/configuration.md documents the same list (tests/test_config_docs.py keeps them equal).
+The backend's options come from one table, one entry per knob. Each entry names the
+variable, its parser (which raises ``ValueError`` naming the variable), the
+``OdcBackend.Options`` field it sets and what it does. An unset variable leaves the field at
+the backend's default (``csrc/options.hpp``). Knobs are read once per group creation; a split
+group inherits its parent's options instead. The process-wide knobs (not backend options)
+have a function each, below, read when its caller needs the value (at import, as a group is
+made, at exit). docs/configuration.md documents the same list (tests/test_config_docs.py
+keeps them equal; tests/test_env_reads.py keeps the reads here).
 """
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ import os
 import re
 from typing import Any, Callable, NamedTuple
 
-# The compiled core's types load on first use (the build check first, then _C), so that
-# reading a process-wide knob needs no compiled core.
+# The compiled core's types load on first use (the build check first, then _C): the package's
+# import reads process-wide knobs here and must not load the core.
 _CORE_TYPES = ("OdcBackend", "Options", "TransportKind", "SelfServe")
 
 
@@ -90,6 +93,9 @@ def _enum_choice(enum: str, table: dict[str, str], expected: str) -> Callable[[s
     return parse
 
 
+HOST_SIZE = "ODC_HOST_SIZE"  # also set by emulate_hosts, for the script it runs
+
+
 class Knob(NamedTuple):
     env: str  # the variable
     parse: Callable[[str, str], Any]  # (name, stripped non-empty value) -> field value
@@ -123,7 +129,7 @@ KNOBS: tuple[Knob, ...] = (
          "group), nvshmem (every peer) or ipc (CUDA IPC inside a host, NCCL across)"),
     # torchrun numbers ranks host by host: set it to the launcher's --nproc-per-node for
     # multi-host runs. Not taken from LOCAL_WORLD_SIZE by itself: nested launches inherit that.
-    Knob("ODC_HOST_SIZE", _int_in(1, 1 << 20), "host_size",
+    Knob(HOST_SIZE, _int_in(1, 1 << 20), "host_size",
          "global ranks per host (unset: hosts told apart by name only)"),
     Knob("ODC_MATCH_CHECK", _flag, "match_check", "ranks check that their collectives match (1)"),
     Knob("ODC_SELF_SERVE", _enum_choice("SelfServe", {"auto": "AUTO", "1": "ODC", "0": "INNER"},
@@ -165,6 +171,32 @@ def knobs() -> OdcBackend.Options:
 
 
 # ---- process-wide knobs (not backend options)
+
+def allow_lazy_loading() -> bool:
+    """ODC_ALLOW_LAZY_LOADING=1: keep CUDA's lazy module loading (odc otherwise asks for eager
+    loading). Read at the package's import and as each odc group is made."""
+    return os.environ.get("ODC_ALLOW_LAZY_LOADING") == "1"
+
+
+def default_backend_as_set() -> str:
+    """ODC_DEFAULT_BACKEND as set ("": unset), for the counters' record (ODC_STATS_DIR). It
+    takes effect at ``import torch``: ``_torch_odc_backend_autoload``, a top-level module that
+    must not import the package, parses it there."""
+    return os.environ.get("ODC_DEFAULT_BACKEND", "")
+
+
+def stats_dir() -> str:
+    """ODC_STATS_DIR: the folder each process writes its odc groups' counters to at exit
+    (``odc_stats_rank<R>.json``; "": unset, none written). Read as each odc group is made and
+    again at exit."""
+    return os.environ.get("ODC_STATS_DIR", "")
+
+
+def host_size_as_set() -> str:
+    """ODC_HOST_SIZE as set, unparsed ("": unset): emulate_hosts refuses to set another value
+    over it. Groups parse it with the knobs above."""
+    return os.environ.get(HOST_SIZE, "")
+
 
 def fsdp_registered_devices() -> tuple[str, ...]:
     """ODC_FSDP_REGISTERED_MEMORY: on which devices every FSDP2 module whose collectives run on

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import _script
+from . import _script, config
 
 USAGE = ("usage: python -m torch_odc_backend.emulate_hosts RANKS_PER_HOST (SCRIPT | -m MODULE) "
          "[ARGS...]")
@@ -40,7 +40,7 @@ def host_env(ranks_per_host: int, local_rank: int, global_rank: int) -> dict[str
         raise ValueError(f"emulate_hosts: rank {global_rank} is local rank {local_rank}: emulated "
                          "hosts split one machine's ranks (torchrun --standalone), not a multi-node job")
     return {"NCCL_HOSTID": f"odc-emulated-host{local_rank // ranks_per_host}",
-            "ODC_HOST_SIZE": str(ranks_per_host)}
+            config.HOST_SIZE: str(ranks_per_host)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(USAGE)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     env = host_env(int(argv[0]), local_rank, int(os.environ.get("RANK", local_rank)))
-    set_before = os.environ.get("ODC_HOST_SIZE")
-    if set_before not in (None, "", env["ODC_HOST_SIZE"]):
-        raise SystemExit(f"torch_odc_backend.emulate_hosts: ODC_HOST_SIZE={set_before} is set and "
+    set_before = config.host_size_as_set()
+    if set_before not in ("", env[config.HOST_SIZE]):
+        raise SystemExit(f"torch_odc_backend.emulate_hosts: {config.HOST_SIZE}={set_before} is set and "
                          f"differs from RANKS_PER_HOST={argv[0]}")
     os.environ.update(env)
     _script.run(argv[1:])

@@ -85,13 +85,14 @@ def _require_state(model: torch.nn.Module, api: str) -> "DecoupledState":
     return state
 
 
-def _make_room_in_nvshmem_slab(plan) -> None:
+def _make_room_in_nvshmem_slab(plan, options) -> None:
     """Where odc's windows come from NVSHMEM's slab (routed peers), grow it for this
-    model's windows and arena unless it has room (collective over the default group)."""
+    model's windows (of these options' ring sizes) and arena unless it has room (collective
+    over the default group)."""
     from . import nvshmem
 
     if nvshmem.available() and _C.nvshmem_status()["slab_bytes"] > 0:
-        nvshmem.ensure_room(nvshmem.blocks_for_plan(plan))
+        nvshmem.ensure_room(nvshmem.blocks_for_plan(plan, options))
 
 
 class DecoupledState:
@@ -114,10 +115,15 @@ class DecoupledState:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.shard_dim = self.mesh.ndim - 1
         self.shard_pg = self.mesh.get_group(self.shard_dim)
+        backend = self.shard_pg._get_backend(self.device)
+        if not isinstance(backend, OdcBackend):
+            raise ValueError(f"odc.decouple: the model's mesh moves {self.device.type} tensors with "
+                             f"{backend.name()}, not odc; create it on an odc process group "
+                             "(e.g. init_process_group('cpu:gloo,cuda:odc'))")
+        self.backend = backend
         if accumulate is None:  # NVSHMEM has no float atomics for the owners' accumulators
-            from .nvshmem import routes_some_peer
-
-            routed = self.device.type == "cuda" and routes_some_peer(
+            # the group's own routing, from the options it was made with
+            routed = self.device.type == "cuda" and backend.options.routes_some_peer(
                 dist.get_process_group_ranks(self.shard_pg))
             accumulate = "local" if routed else "owner"
         self.accumulate = accumulate
@@ -126,12 +132,6 @@ class DecoupledState:
             self.replicate_pg = None  # nothing to all-reduce
         # odc.last_microbatch can start the replicate all-reduces early (owners' accumulators)
         self.reduces_early = self.replicate_pg is not None and accumulate == "owner"
-        backend = self.shard_pg._get_backend(self.device)
-        if not isinstance(backend, OdcBackend):
-            raise ValueError(f"odc.decouple: the model's mesh moves {self.device.type} tensors with "
-                             f"{backend.name()}, not odc; create it on an odc process group "
-                             "(e.g. init_process_group('cpu:gloo,cuda:odc'))")
-        self.backend = backend
         self.world = self.shard_pg.size()
         if self.world < 2:
             raise ValueError("odc.decouple needs at least 2 ranks in the shard dimension (with one, "
@@ -160,7 +160,7 @@ class DecoupledState:
         self.last = {}
         plan = plan_of_groups(groups, accumulate)
         if self.device.type == "cuda":
-            _make_room_in_nvshmem_slab(plan)
+            _make_room_in_nvshmem_slab(plan, backend.options)
         self.arena = backend.create_arena(self.device, *plan.sizes)
         for g in self.groups:
             g.module.set_custom_all_gather(_AllGather(g))

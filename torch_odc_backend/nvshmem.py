@@ -91,9 +91,10 @@ def blocks_for(model, accumulate: str = "local") -> list[int]:
     return blocks_for_plan(plan_arena(model, accumulate))  # raises without fully_shard modules
 
 
-def blocks_for_plan(plan) -> list[int]:
-    """``blocks_for`` of a model already read (``_arena_sizing.ArenaPlan``)."""
-    return [_window_bytes(dist.get_world_size())] * (plan.mesh.ndim + 1) + [plan.bytes()]
+def blocks_for_plan(plan, options=None) -> list[int]:
+    """``blocks_for`` of a model already read (``_arena_sizing.ArenaPlan``), with these
+    options' ring sizes (default: the ODC_* knobs')."""
+    return [_window_bytes(dist.get_world_size(), options)] * (plan.mesh.ndim + 1) + [plan.bytes()]
 
 
 def _slab_holding(blocks: list[int]) -> int:

@@ -327,6 +327,7 @@ def test_decoupled_equals_exact(run, device, world, name):
     ("bad_accumulate_mode", "accumulate must be 'owner' or 'local'"),
     ("stale_published_shards", "changed in place after optimizer.step() published it"),
     ("unusable_after_error", "unusable after an earlier error"),
+    ("unusable_after_error", "odc.sync cannot run"),  # names the call refused
 ])
 def test_misuse_is_reported(run, case, pattern):
     res = run(2)

@@ -2,7 +2,8 @@
 module of it reads an ODC_ variable (os.environ[...], os.environ.get / pop / setdefault,
 os.getenv, ``in os.environ``), by a literal name, an f-string starting with ODC_, or a name
 bound to such a literal (in the module, or a constant of config.py). Writes are fine
-(emulate_hosts sets ODC_HOST_SIZE for the script it runs)."""
+(emulate_hosts sets ODC_HOST_SIZE for the script it runs). And the decoupled-mode hooks use
+the state's public guard, not its private methods."""
 from __future__ import annotations
 
 import ast
@@ -125,3 +126,23 @@ def test_the_scan_finds_each_kind_of_read(tmp_path):
     # config.py itself reads: the scan sees it
     assert env_reads(PKG / "config.py", {}), "the scan found no read in config.py"
 
+
+def test_decoupled_hooks_use_only_the_public_guard():
+    """No module but decoupled.py calls a private method of DecoupledState (the comm hooks go
+    through its ``guard``)."""
+    tree = ast.parse((PKG / "decoupled.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DecoupledState")
+    private = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)
+               and f.name.startswith("_") and not f.name.endswith("__")}
+    assert "_fail" in private, private
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path == PKG / "decoupled.py":
+            continue
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: "
+                             f"{ast.get_source_segment(text, node)}")
+    found.sort(key=lambda r: (r.split(":")[0], int(r.split(":")[1])))
+    assert not found, "private DecoupledState methods used outside decoupled.py:\n" + "\n".join(found)

@@ -1,7 +1,8 @@
 """Decoupled mode's FSDP2 comm hooks, one set per FSDP module (parameter group): the
 all-gather *gets* the owners' published shards, the reduce-scatter *adds* this rank's gradient
 rows into the owners' accumulators (or a local sum). The state they act on is
-``decoupled.DecoupledState``."""
+``decoupled.DecoupledState``; its minibatch checks and failures go through its ``guard``
+(``decoupled.MinibatchGuard``)."""
 from __future__ import annotations
 
 import math
@@ -140,12 +141,12 @@ class _AllGather:
 
     def __call__(self, output_tensor, input_tensor, group=None, async_op=False):
         st = self.group.state
-        st._check_running("forward/backward (all-gather)")
+        st.guard.ensure_minibatch_open("forward/backward (all-gather)")
         if output_tensor.dtype != self.group.param_dtype or output_tensor.numel() != st.world * self.group.numel:
             raise RuntimeError("odc decoupled mode: FSDP2's all-gather layout differs from the "
                                f"published one (group {self.group.index})")
         k = group.size() if group is not None else st.world
-        with _range("odc.get"), st._fail_on_error():
+        with _range("odc.get"), st.guard.unusable_on_error():
             if k == st.world:
                 st.arena.get(self.group.index, output_tensor, st.epoch)
             else:  # reshard_after_forward=k: backward's all-gather over the post-forward group
@@ -175,23 +176,23 @@ class _ReduceScatter:
 
     def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
         st = self.group.state
-        st._check_running("backward (reduce-scatter)")
+        st.guard.ensure_minibatch_open("backward (reduce-scatter)")
         if op is not None and op != dist.ReduceOp.SUM:
             raise RuntimeError(f"odc decoupled mode: unexpected reduce op {op} (expected SUM)")
         if input_tensor.numel() != st.world * self.group.grad_numel:
-            st._fail("the reduce-scatter input does not cover every trainable parameter of "
-                     f"group {self.group.index} (a parameter without gradient?); every trainable "
-                     "parameter must receive a gradient in each backward")
+            st.guard.fail("the reduce-scatter input does not cover every trainable parameter of "
+                          f"group {self.group.index} (a parameter without gradient?); every "
+                          "trainable parameter must receive a gradient in each backward")
         if st.accumulate == "local":
             g = self.group
-            with _range("odc.local_accumulate"), st._fail_on_error():
+            with _range("odc.local_accumulate"), st.guard.unusable_on_error():
                 g.local_acc.add_(input_tensor.reshape(-1))
                 if g.local_event is not None:
                     g.local_event.record()
         else:
             if st.early is not None:
                 st.early.check_not_done(self.group.index)
-            with _range("odc.put_accumulate"), st._fail_on_error():
+            with _range("odc.put_accumulate"), st.guard.unusable_on_error():
                 st.arena.accumulate(self.group.index, input_tensor.contiguous())
                 if st.early is not None:
                     st.early.done_with(self.group.index)

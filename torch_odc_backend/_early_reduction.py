@@ -39,8 +39,9 @@ class _EarlyReduction:
     def check_not_done(self, index: int) -> None:
         """Before a reduce-scatter adds anything: none after the announced backward's."""
         if index in self.done:
-            self.state._fail("a backward after the one odc.last_microbatch announced reduce-scattered "
-                             f"parameter group {index} again, whose reduction across replicas has started")
+            self.state.guard.fail("a backward after the one odc.last_microbatch announced "
+                                  f"reduce-scattered parameter group {index} again, whose "
+                                  "reduction across replicas has started")
 
     def done_with(self, index: int) -> None:
         st = self.state

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,7 @@ from ._early_reduction import _EarlyReduction, reduction_order
 # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns there)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["decouple", "sync", "last_microbatch", "metrics", "DecoupledState"]
+__all__ = ["decouple", "sync", "last_microbatch", "metrics", "DecoupledState", "MinibatchGuard"]
 
 log = logging.getLogger("torch_odc_backend.decoupled")
 _range = torch.autograd.profiler.record_function  # named ranges in torch.profiler traces
@@ -95,8 +96,34 @@ def _make_room_in_nvshmem_slab(plan, options) -> None:
         nvshmem.ensure_room(nvshmem.blocks_for_plan(plan, options))
 
 
+class MinibatchGuard:
+    """What the FSDP2 comm hooks (``_decoupled_groups``, ``_early_reduction``) may ask of a
+    model's decoupled state before and while they move data: the state's own checks stay
+    private to it."""
+
+    def __init__(self, state: "DecoupledState"):
+        self._state = state
+
+    def ensure_minibatch_open(self, what: str) -> None:
+        """Before ``what`` (e.g. "backward (reduce-scatter)") moves data: refuse if an earlier
+        error left the state unusable; open the next minibatch (publish this rank's shards)
+        if none is open, else check once per minibatch that the parameters are the ones
+        published."""
+        self._state._ensure_minibatch_open(what)
+
+    def fail(self, reason: str) -> NoReturn:
+        """Raise a failure inside the minibatch, leaving the state unusable (some
+        contributions may have landed)."""
+        self._state._fail(reason)
+
+    def unusable_on_error(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose error (re-raised) leaves the state unusable, as ``fail`` does."""
+        return self._state._unusable_on_error()
+
+
 class DecoupledState:
-    """What ``decouple`` set up for one model; ``sync`` and the optimizer hooks drive it."""
+    """What ``decouple`` set up for one model; ``sync`` and the optimizer hooks drive it, the
+    comm hooks through ``guard``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  accumulate: str | None = None):
@@ -152,6 +179,7 @@ class DecoupledState:
         self.checked = True
         self.broken = ""
         self.early: _EarlyReduction | None = None  # odc.last_microbatch in this minibatch
+        self.guard = MinibatchGuard(self)  # for the comm hooks
         # observability: wall time working vs waiting in sync, per minibatch and in total
         self._since = time.perf_counter()
         # early_all_reduces: groups whose cross-replica all-reduce odc.last_microbatch started
@@ -171,27 +199,27 @@ class DecoupledState:
                        optimizer.register_step_post_hook(self._after_step)]
 
     # ---- phases
-    def _fail(self, reason: str):
+    def _fail(self, reason: str) -> NoReturn:
         """A failure inside a minibatch: some contributions may have landed, so the state
         cannot be trusted any more."""
         self.broken = reason
         raise RuntimeError(f"odc decoupled mode: {reason}")
 
     @contextlib.contextmanager
-    def _fail_on_error(self):
+    def _unusable_on_error(self):
         try:
             yield
         except Exception as e:  # noqa: BLE001
             self.broken = f"{type(e).__name__}: {e}"
             raise
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, what: str) -> None:
         if self.broken:
             raise RuntimeError("odc decoupled mode is unusable after an earlier error inside a "
-                               f"minibatch ({self.broken})")
+                               f"minibatch ({self.broken}); {what} cannot run")
 
-    def _check_running(self, what: str) -> None:
-        self._check_usable()
+    def _ensure_minibatch_open(self, what: str) -> None:
+        self._check_usable(what)
         if self.synced or self.epoch == 0:
             self._next_minibatch(stepped=False)
         elif not self.checked:
@@ -255,7 +283,7 @@ class DecoupledState:
         self._fail(reasons[kind])
 
     def _before_step(self, optimizer, args, kwargs):
-        self._check_usable()
+        self._check_usable("optimizer.step()")
         if not self.synced:
             raise RuntimeError("odc decoupled mode: optimizer.step() without odc.sync(model) "
                                "since the last step; call odc.sync(model) after the minibatch's "
@@ -283,7 +311,7 @@ class DecoupledState:
 
     def last_microbatch(self) -> None:
         """The next backward is this rank's last of the minibatch (see last_microbatch)."""
-        self._check_running("odc.last_microbatch")
+        self._ensure_minibatch_open("odc.last_microbatch")
         if not self.reduces_early:
             return  # nothing to reduce across replicas, or nothing to take before sync
         if self.early is not None and self.early.done:
@@ -292,11 +320,11 @@ class DecoupledState:
             self.early = _EarlyReduction(self)
 
     def sync(self) -> None:
-        self._check_usable()
+        self._check_usable("odc.sync")
         if self.synced or self.epoch == 0:  # no forward since the last sync and no step (or
             self._next_minibatch(stepped=False)  # none yet): an empty minibatch here
         self._check_unchanged()  # before this rank says it is done: its .grad stays untouched
-        with _range("odc.sync"), torch.no_grad(), self._fail_on_error():
+        with _range("odc.sync"), torch.no_grad(), self._unusable_on_error():
             self._sync()
 
     def metrics(self) -> dict:

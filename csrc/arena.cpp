@@ -6,8 +6,10 @@
 
 namespace odc {
 
-Arena::Arena(int rank, int world, ArenaLayout layout, Transport* transport, int id)
-    : rank_(rank), world_(world), layout_(std::move(layout)), t_(transport), id_(id) {}
+Arena::Arena(int rank, int world, ArenaLayout layout, Transport* transport, Arenas* arenas,
+             int id)
+    : rank_(rank), world_(world), layout_(std::move(layout)), t_(transport), arenas_(arenas),
+      id_(id) {}
 
 uint64_t* Arena::flag_in(int owner, ArenaLayout::Flag kind, int index) {
   return reinterpret_cast<uint64_t*>(base(owner) + layout_.flag(kind, index));
@@ -53,7 +55,7 @@ void Arena::accumulate(int group, const void* in, DType dtype) {
   const char* in_b = static_cast<const char*>(in);
   for (int i = 0; i < world_; ++i) {
     const int p = (rank_ + i) % world_;
-    t_->accumulate(i, reinterpret_cast<float*>(base(p) + layout_.acc_off[group]),
+    arenas_->accumulate(i, reinterpret_cast<float*>(base(p) + layout_.acc_off[group]),
                    in_b + static_cast<size_t>(p) * n * elem, n, dtype);
   }
 }
@@ -93,7 +95,7 @@ void Arena::take(int group, float* out) {
   float* acc = reinterpret_cast<float*>(base(rank_) + layout_.acc_off[group]);
   const size_t bytes = layout_.grad_numel[group] * sizeof(float);
   t_->copy(0, out, acc, bytes);
-  t_->fill_zero(0, acc, bytes);
+  arenas_->fill_zero(0, acc, bytes);
 }
 
 }  // namespace odc

@@ -21,7 +21,8 @@ namespace odc {
 // Group indices are validated by the caller (decoupled.cpp).
 class Arena {
  public:
-  Arena(int rank, int world, ArenaLayout layout, Transport* transport, int id);
+  // transport: its lanes; arenas: the same transport's arenas (`id` names this one).
+  Arena(int rank, int world, ArenaLayout layout, Transport* transport, Arenas* arenas, int id);
 
   const ArenaLayout& layout() const { return layout_; }
   void publish(int group, const void* shard);
@@ -39,12 +40,13 @@ class Arena {
   // This rank's GroupDone counters of `groups` at every owner.
   std::vector<uint64_t*> group_flags_at_owners(int first, int last);
 
-  char* base(int rank) { return t_->arena(id_, rank); }
+  char* base(int rank) { return arenas_->arena(id_, rank); }
 
   int rank_;
   int world_;
   ArenaLayout layout_;
   Transport* t_;
+  Arenas* arenas_;
   int id_;
 };
 

@@ -15,7 +15,6 @@
 #include <torch/csrc/distributed/c10d/exception.h>
 
 #include <algorithm>
-#include <exception>  // std::uncaught_exceptions
 #include <mutex>
 #include <cstdio>
 #include <cstring>
@@ -186,13 +185,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
   const uint64_t seq = ++seq_;
   void* stream = on_device->stream();
   try {
-    // One collective of the group: numbered and announced to the peers (protocol.hpp).
-    struct Bracket {
-      Protocol& p;
-      const int unwinding = std::uncaught_exceptions();
-      explicit Bracket(Protocol& p) : p(p) { p.begin_collective(); }
-      ~Bracket() { p.end_collective(std::uncaught_exceptions() > unwinding); }
-    } bracket(*ch.protocol);
+    const Protocol::Collective collective(*ch.protocol);  // numbered and announced to the peers
     body(ch, stream, seq);
   } catch (const c10::Error&) {
     // Argument errors are raised before anything is issued; anything later is fatal.
@@ -229,88 +222,12 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::run(Kind kind, std::vector<at::Tensor
                                       : c10d::OpType::_REDUCE_SCATTER_BASE;
   return launch(device, async_op, type, outputs, std::move(keep),
                 [&](Channel& ch, void* stream, uint64_t seq) {
-    uint64_t bytes = 0;
-    ch.transport->begin_op(stream, ag ? Transport::kAgRing : Transport::kRsRing);
-    if (ag && options_->staged_ag_push) ch.transport->also_on(Transport::kRsRing);  // its landing rings
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const size_t per_rank = (ag ? inputs[i] : outputs[i]).numel() * inputs[i].element_size();
-      const Path path = path_of(ch, ag, inputs[i], outputs[i], per_rank);
-      bytes += issue_path(ch, path, ag, inputs[i], outputs[i], per_rank, specs[i], red_op, seq);
-    }
-    ch.transport->end_op();
-    count(ag ? Stat::AllGatherOps : Stat::ReduceScatterOps, 1);
-    count(ag ? Stat::AllGatherBytes : Stat::ReduceScatterBytes, bytes);
-    count_engine(ch);
+    issue_collective(ch, stream, seq, ag, inputs, outputs, specs, red_op);
   }, /*blocking=*/false, /*ends_with_op=*/true);
 }
 
-uint64_t OdcBackend::issue_path(Channel& ch, const Path& path, bool ag, const at::Tensor& in,
-                                const at::Tensor& out, size_t per_rank, const ReduceSpec& spec,
-                                RedOp red_op, uint64_t seq) {
-  const size_t elem = in.element_size();
-  const int world = getSize();
-  if (path.way == Path::Way::Direct) {
-    // The owner's choice for its own input: in place where every peer has it mapped.
-    const uint64_t where = ch.transport->locate(in.data_ptr(), ag ? per_rank : in.numel() * elem);
-    count(Stat::DirectOps, 1);
-    if (where) count(Stat::DirectInPlaceOps, 1);
-    const uint64_t d = desc(ag ? OpKind::AllGatherDirect : OpKind::ReduceScatterDirect, in, per_rank,
-                            red_op, !ag);
-    if (ag) {
-      ch.protocol->all_gather_direct(out.data_ptr(), in.data_ptr(), per_rank, where, seq, d);
-      return per_rank * world;
-    }
-    ch.protocol->reduce_scatter_direct(out.data_ptr(), in.data_ptr(), out.numel(), elem, spec, where,
-                                       seq, d);
-    return in.numel() * elem;
-  }
-  if (path.way == Path::Way::Staged) {
-    if (ag && options_->staged_ag_push) {
-      // Pushed through the landing rings: an exchange whose every pair carries this rank's
-      // shard, of a kind of its own (ranks that chose otherwise fail at once).
-      const int me = getRank();
-      const bool in_place = in.data_ptr() == static_cast<char*>(out.data_ptr()) + me * per_rank;
-      Protocol::Exchange x{std::vector<size_t>(world, per_rank), std::vector<size_t>(world, 0),
-                           std::vector<size_t>(world, per_rank), {}, OpKind::AllGatherPut,
-                           static_cast<int>(in.scalar_type()), 0, options_->match_check, true};
-      for (int p = 0; p < world; ++p) x.recv_off.push_back(p * per_rank);
-      if (in_place) x.send[me] = x.recv[me] = 0;  // nothing to copy to itself
-      ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
-      return per_rank * world;
-    }
-    // What this rank calls, for the peers to check against theirs (ODC_MATCH_CHECK).
-    const uint64_t d = desc(ag ? OpKind::AllGather : OpKind::ReduceScatter, in, per_rank, red_op, !ag);
-    if (ag) {
-      ch.protocol->all_gather(out.data_ptr(), in.data_ptr(), per_rank, seq, d);
-      return per_rank * world;
-    }
-    ch.protocol->reduce_scatter(out.data_ptr(), in.data_ptr(), out.numel(), elem, spec, seq, d);
-    return in.numel() * elem;
-  }
-  count(Stat::RegisteredOps, 1);
-  const bool push = path.way == Path::Way::RegisteredPush;
-  const OpKind kind = !ag  ? OpKind::ReduceScatterRegistered
-                      : push ? OpKind::AllGatherRegisteredPush
-                             : OpKind::AllGatherRegistered;
-  // A push writes into the peers' memory: its descriptor (with the buffer's place) is always
-  // checked, also with ODC_MATCH_CHECK=0.
-  const uint64_t d = push ? op_desc(kind, static_cast<int>(in.scalar_type()), per_rank, 0)
-                          : desc(kind, in, per_rank, red_op, !ag);
-  if (!ag) {
-    ch.protocol->reduce_scatter_registered(out.data_ptr(), path.at, out.numel(), elem, spec,
-                                           path.id, seq, d);
-  } else if (push) {
-    ch.protocol->all_gather_pushed(out.data_ptr(), in.data_ptr(), path.at, per_rank, path.id,
-                                   seq, d);
-    count(Stat::AllGatherPushOps, 1);
-  } else {
-    ch.protocol->all_gather_registered(out.data_ptr(), path.at, per_rank, path.id, seq, d);
-  }
-  return per_rank * world;
-}
-
 void OdcBackend::count_engine(Channel& ch) {
-  const Transport::EngineUse use = ch.transport->last_engine();
+  const Transport::EngineUse use = ch.protocol->last_engine();
   if (use.engine == Transport::EngineUse::kNone) return;
   const bool fused = use.engine == Transport::EngineUse::kFused;
   count(fused ? Stat::FusedOps : Stat::CopyEngineOps, 1);

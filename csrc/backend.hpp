@@ -4,7 +4,8 @@
 //
 // All-gather and reduce-scatter (and their coalesced forms) run on the
 // one-sided protocol over a transport chosen by tensor device: host shared
-// memory for CPU tensors, CUDA IPC for GPU tensors. Every other collective is
+// memory for CPU tensors, the CUDA transport for GPU tensors (its memory opened by the
+// peers through CUDA IPC, or NVSHMEM's heap). Every other collective is
 // delegated to an inner backend (gloo for CPU, NCCL for CUDA) created lazily by
 // a factory the Python layer provides.
 #pragma once
@@ -221,7 +222,8 @@ class OdcBackend final : public c10d::Backend {
                                      const c10d::ReduceOp* op, const char* api);
   Channel& channel(const c10::Device& device);
   // How one tensor of an all-gather or reduce-scatter moves: decided by path_of, the same on
-  // every rank (from what every rank sees alike), then issued by issue_path.
+  // every rank (from what every rank sees alike), then issued by issue_direct / issue_staged /
+  // issue_registered (collective_plan.cpp).
   struct Path {
     // Direct: memory allocated anywhere, each input read in place once the peers map it
     // (Protocol::all_gather_direct), on transports that do (ODC_ZERO_COPY).
@@ -233,10 +235,24 @@ class OdcBackend final : public c10d::Backend {
   };
   Path path_of(Channel& ch, bool ag, const at::Tensor& in, const at::Tensor& out,
                size_t per_rank) const;
-  // Issues one tensor's collective on its path; returns the bytes it moved.
-  uint64_t issue_path(Channel& ch, const Path& path, bool ag, const at::Tensor& in,
-                      const at::Tensor& out, size_t per_rank, const ReduceSpec& spec,
-                      RedOp red_op, uint64_t seq);
+  // The all-gather (ag) or reduce-scatter of each input into its output, each on its path, in
+  // one transport operation (collective_plan.cpp).
+  void issue_collective(Channel& ch, void* stream, uint64_t seq, bool ag,
+                        std::vector<at::Tensor>& inputs, std::vector<at::Tensor>& outputs,
+                        const std::vector<ReduceSpec>& specs, RedOp red_op);
+  // One tensor's collective: its input and output, and its bytes per rank.
+  struct Tensors {
+    const at::Tensor& in;
+    const at::Tensor& out;
+    size_t per_rank;
+  };
+  // Each issues one tensor's collective on its path and returns the bytes it moved.
+  uint64_t issue_direct(Channel& ch, bool ag, const Tensors& t, const ReduceSpec& spec,
+                        RedOp red_op, uint64_t seq);
+  uint64_t issue_staged(Channel& ch, bool ag, const Tensors& t, const ReduceSpec& spec,
+                        RedOp red_op, uint64_t seq);
+  uint64_t issue_registered(Channel& ch, const Path& path, bool ag, const Tensors& t,
+                            const ReduceSpec& spec, RedOp red_op, uint64_t seq);
   // The counters of the engine that ran the last operation (fused_ops, copy_engine_...).
   void count_engine(Channel& ch);
   ReduceSpec reduce_spec(const at::Tensor& t, const c10d::ReduceOp& op, const char* api,

@@ -132,7 +132,9 @@ Channel make_channel(const c10::Device& device, const Options& options,
                 " MiB window): ", e.what());
   }
   if (!ch.transport) return ch;  // ranks on several hosts: the inner backend serves the group
-  ch.protocol = std::make_unique<Protocol>(rank, size, a.layout, ch.transport.get());
+  ch.zero_copy = ch.transport->zero_copy_reads();
+  ch.arenas = ch.transport->arenas();
+  ch.protocol = std::make_unique<Protocol>(rank, size, a.layout, ch.transport.get(), ch.zero_copy);
   return ch;
 }
 

@@ -24,6 +24,10 @@ struct Channel {
   // Shared with the Works of its collectives: a Work may outlive the group (its wait() and
   // isCompleted() read the transport's asynchronous error).
   std::shared_ptr<Transport> transport;
+  // What the transport offers beyond the core (transport.hpp), looked up once when the
+  // channel is made; null where it does not.
+  ZeroCopyReads* zero_copy = nullptr;  // direct collectives (ODC_ZERO_COPY)
+  Arenas* arenas = nullptr;            // decoupled mode and registered memory
   std::unique_ptr<Protocol> protocol;
   c10::Device device{c10::kCPU};
   // Where the group's ranks are on several hosts that no odc transport connects (CPU

@@ -4,7 +4,6 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/exception.h>
 
-#include "cuda_setup.hpp"
 #include "device_work.hpp"
 #include "text.hpp"
 
@@ -53,7 +52,7 @@ void DecoupledArena::call(F&& body) {
 }
 
 template <typename F>
-void DecoupledArena::op(Transport::Ring ring, F&& fn) {
+void DecoupledArena::op(Ring ring, F&& fn) {
   const std::string err = transport_->async_error();
   if (!err.empty()) throw CommError(err);
   transport_->begin_op(current_stream(device_, "a decoupled get or add"), ring);
@@ -85,7 +84,8 @@ std::shared_ptr<DecoupledArena> DecoupledArena::create(
     ODC_CHECK(ch.transport, ValueError, cross_host_refusal(ch, b.options(), "odc.decouple"));
     bool accumulators = false;
     for (int64_t g : grad_numel) accumulators = accumulators || g > 0;
-    ODC_CHECK(!accumulators || ch.transport->accumulates_everywhere(), ValueError,
+    ODC_CHECK(ch.arenas, ValueError, "odc.decouple: this group's transport has no arenas");
+    ODC_CHECK(!accumulators || ch.arenas->accumulates_everywhere(), ValueError,
               "odc: decoupled mode's put-accumulate cannot reach peers over NVSHMEM (no float "
               "atomics): use odc.decouple(model, optimizer, accumulate='local')");
     std::vector<size_t> n(shard_numel.begin(), shard_numel.end());
@@ -94,7 +94,7 @@ std::shared_ptr<DecoupledArena> DecoupledArena::create(
     ArenaLayout layout(b.getSize(), n, e, gn);
     int tid = -1;
     try {
-      tid = ch.transport->create_arena(layout.total);
+      tid = ch.arenas->create_arena(layout.total);
     } catch (const CommError&) {
       throw;
     } catch (const std::exception& ex) {
@@ -104,7 +104,7 @@ std::shared_ptr<DecoupledArena> DecoupledArena::create(
     made.reset(new DecoupledArena(
         backend, device,
         std::make_unique<Arena>(b.getRank(), b.getSize(), std::move(layout), ch.transport.get(),
-                                tid),
+                                ch.arenas, tid),
         ch.transport.get()));
   } catch (const c10::Error&) {
     throw;  // argument errors: nothing was issued
@@ -119,13 +119,13 @@ void DecoupledArena::publish(int64_t group, const at::Tensor& shard) {
   call([&] {
     check_group(group, "publish");
     check_arena_tensor(shard, device_, arena_->layout().pub_bytes[group], "publish");
-    op(Transport::kArenaSyncRing, [&] { arena_->publish(static_cast<int>(group), shard.data_ptr()); });
+    op(Ring::kArenaSync, [&] { arena_->publish(static_cast<int>(group), shard.data_ptr()); });
   });
 }
 
 void DecoupledArena::announce(int64_t epoch) {
   call([&] {
-    op(Transport::kArenaSyncRing, [&] { arena_->announce(static_cast<uint64_t>(epoch)); });
+    op(Ring::kArenaSync, [&] { arena_->announce(static_cast<uint64_t>(epoch)); });
   });
 }
 
@@ -135,7 +135,7 @@ void DecoupledArena::get(int64_t group, const at::Tensor& out, int64_t epoch) {
     check_arena_tensor(out, device_, arena_->layout().pub_bytes[group] * backend_->getSize(),
                        "all_gather output");
     const uint64_t seq = ++backend_->seq_;
-    op(Transport::kArenaGetRing, [&] {
+    op(Ring::kArenaGet, [&] {
       arena_->get(static_cast<int>(group), out.data_ptr(), static_cast<uint64_t>(epoch), seq);
     });
     backend_->count(Stat::DecoupledGets, 1);
@@ -149,7 +149,7 @@ void DecoupledArena::accumulate(int64_t group, const at::Tensor& in) {
     check_arena_tensor(in, device_,
                        arena_->layout().grad_numel[group] * backend_->getSize() * in.element_size(),
                        "reduce_scatter input");
-    op(Transport::kArenaPutRing,
+    op(Ring::kArenaPut,
        [&] { arena_->accumulate(static_cast<int>(group), in.data_ptr(), dtype); });
     backend_->count(Stat::DecoupledAccumulates, 1);
   });
@@ -158,7 +158,7 @@ void DecoupledArena::accumulate(int64_t group, const at::Tensor& in) {
 void DecoupledArena::finish(int64_t epoch, bool groups_too) {
   call([&] {
     const uint64_t seq = ++backend_->seq_;
-    op(Transport::kArenaSyncRing,
+    op(Ring::kArenaSync,
        [&] { arena_->finish(static_cast<uint64_t>(epoch), seq, groups_too); });
     backend_->count(Stat::DecoupledSyncs, 1);
   });
@@ -170,7 +170,7 @@ void DecoupledArena::take(int64_t group, const at::Tensor& out) {
     ODC_CHECK(out.scalar_type() == at::kFloat, TypeError,
               "odc: decoupled sync: accumulators are float32");
     check_arena_tensor(out, device_, arena_->layout().grad_numel[group] * sizeof(float), "sync");
-    op(Transport::kArenaSyncRing,
+    op(Ring::kArenaSync,
        [&] { arena_->take(static_cast<int>(group), out.data_ptr<float>()); });
   });
 }
@@ -178,7 +178,7 @@ void DecoupledArena::take(int64_t group, const at::Tensor& out) {
 void DecoupledArena::group_done(int64_t group, int64_t epoch) {
   call([&] {
     check_group(group, "group_done");
-    op(Transport::kArenaPutRing,  // the ring of its accumulates: after them
+    op(Ring::kArenaPut,  // the ring of its accumulates: after them
        [&] { arena_->group_done(static_cast<int>(group), static_cast<uint64_t>(epoch)); });
   });
 }
@@ -192,7 +192,7 @@ void DecoupledArena::take_when_done(int64_t group, const at::Tensor& out, int64_
     const uint64_t seq = ++backend_->seq_;
     // its own ring: the caller orders it after its accumulates (the side stream waits for
     // the issuing one), and the minibatch's sync after it (through the all-reduce's Work)
-    op(Transport::kArenaEarlyRing, [&] {
+    op(Ring::kArenaEarly, [&] {
       arena_->take_when_done(static_cast<int>(group), out.data_ptr<float>(),
                              static_cast<uint64_t>(epoch), seq);
     });
@@ -200,18 +200,14 @@ void DecoupledArena::take_when_done(int64_t group, const at::Tensor& out, int64_
 }
 
 int64_t DecoupledArena::side_stream() {
-#ifdef ODC_WITH_CUDA
   call([&] {
-    if (device_.is_cuda() && !side_stream_) side_stream_ = take_async_stream(device_.index());
+    if (!side_stream_) side_stream_ = take_side_stream(device_);
   });
-#endif
   return reinterpret_cast<int64_t>(side_stream_);
 }
 
 DecoupledArena::~DecoupledArena() {
-#ifdef ODC_WITH_CUDA
-  if (side_stream_) give_async_stream(device_.index(), side_stream_);  // kept for later arenas
-#endif
+  if (side_stream_) give_side_stream(device_, side_stream_);  // kept for later arenas
 }
 
 int64_t DecoupledArena::size() {

@@ -56,7 +56,7 @@ class DecoupledArena {
   void call(F&& body);
   // Runs fn between the transport's begin_op / end_op on the current stream (CUDA).
   template <typename F>
-  void op(Transport::Ring ring, F&& fn);
+  void op(Ring ring, F&& fn);
 
   c10::intrusive_ptr<OdcBackend> backend_;
   c10::Device device_;

@@ -56,6 +56,10 @@ std::unique_ptr<DeviceLaunch> begin_launch(Channel& ch, bool async_op);
 std::unique_ptr<DeviceLaunch> host_launch();
 // How registered memory of `device` is ordered on its streams (empty on the host).
 RegisteredPool::StreamOrder stream_order(const c10::Device& device);
+// A side stream of `device` for an arena's early reductions (nullptr on the host), and its return
+// (kept for later arenas).
+void* take_side_stream(const c10::Device& device);
+void give_side_stream(const c10::Device& device, void* stream);
 // When the group goes: finish device work that may still use the channel's windows, give
 // back its side stream.
 void release_device(Channel& ch);

@@ -11,6 +11,8 @@ std::unique_ptr<DeviceLaunch> begin_launch(Channel&, bool) { return host_launch(
 void* current_stream(const c10::Device&, const char*) { return nullptr; }
 RegisteredPool::StreamOrder stream_order(const c10::Device&) { return {}; }
 void release_device(Channel&) {}
+void* take_side_stream(const c10::Device&) { return nullptr; }
+void give_side_stream(const c10::Device&, void*) {}
 
 namespace {
 [[noreturn]] void no_cuda() { throw std::logic_error("odc: this build has no CUDA support"); }

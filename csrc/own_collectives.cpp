@@ -82,12 +82,12 @@ void OdcBackend::own_all_reduce(Channel& ch, void* stream, uint64_t seq, const a
   if (padded) buf.narrow(0, 0, n).copy_(flat);
   at::Tensor mine = at::empty({part}, t.options());
   const size_t elem = t.element_size();
-  ch.transport->begin_op(stream, Transport::kRsRing);
-  ch.protocol->reduce_scatter(mine.data_ptr(), buf.data_ptr(), part, elem, spec, seq, rs_desc);
-  ch.transport->end_op();
-  ch.transport->begin_op(stream, Transport::kAgRing);
-  ch.protocol->all_gather(buf.data_ptr(), mine.data_ptr(), part * elem, seq, ag_desc);
-  ch.transport->end_op();
+  ch.protocol->operation(stream, Ring::kReduceScatter, [&] {
+    ch.protocol->reduce_scatter(mine.data_ptr(), buf.data_ptr(), part, elem, spec, seq, rs_desc);
+  });
+  ch.protocol->operation(stream, Ring::kAllGather, [&] {
+    ch.protocol->all_gather(buf.data_ptr(), mine.data_ptr(), part * elem, seq, ag_desc);
+  });
   if (padded) flat.copy_(buf.narrow(0, 0, n));
 }
 
@@ -149,10 +149,10 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_broadcast(std::vector<at::Tensor>
   return launch(t.device(), opts.asyncOp, c10d::OpType::BROADCAST, tensors, tensors,
                 [&](Channel& ch, void* stream, uint64_t seq) {
     const uint64_t bytes = t.numel() * t.element_size();
-    ch.transport->begin_op(stream, Transport::kAgRing);
-    ch.protocol->broadcast(t.data_ptr(), bytes, root, seq,
-                           desc(OpKind::Broadcast, t, bytes, RedOp::Sum, false, root));
-    ch.transport->end_op();
+    ch.protocol->operation(stream, Ring::kAllGather, [&] {
+      ch.protocol->broadcast(t.data_ptr(), bytes, root, seq,
+                             desc(OpKind::Broadcast, t, bytes, RedOp::Sum, false, root));
+    });
     count(Stat::OwnBroadcastOps, 1);
   });
 }
@@ -180,10 +180,10 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_allgather(
     const uint64_t bytes = in.numel() * in.element_size();
     if (even) {  // one all-gather, then into the list
       at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
-      ch.transport->begin_op(stream, Transport::kAgRing);
-      ch.protocol->all_gather(flat.data_ptr(), in.data_ptr(), bytes, seq,
-                              desc(OpKind::AllGather, in, bytes));
-      ch.transport->end_op();
+      ch.protocol->operation(stream, Ring::kAllGather, [&] {
+        ch.protocol->all_gather(flat.data_ptr(), in.data_ptr(), bytes, seq,
+                                desc(OpKind::AllGather, in, bytes));
+      });
       for (int r = 0; r < getSize(); ++r) {
         outs[r].view(-1).copy_(flat.narrow(0, r * in.numel(), in.numel()));
       }
@@ -191,10 +191,10 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_allgather(
       outs[getRank()].view(-1).copy_(in.view(-1));
       for (int r = 0; r < getSize(); ++r) {
         const uint64_t b = outs[r].numel() * outs[r].element_size();
-        ch.transport->begin_op(stream, Transport::kAgRing);
-        ch.protocol->broadcast(outs[r].data_ptr(), b, r, seq,
-                               desc(OpKind::Broadcast, outs[r], b, RedOp::Sum, false, r));
-        ch.transport->end_op();
+        ch.protocol->operation(stream, Ring::kAllGather, [&] {
+          ch.protocol->broadcast(outs[r].data_ptr(), b, r, seq,
+                                 desc(OpKind::Broadcast, outs[r], b, RedOp::Sum, false, r));
+        });
       }
     }
     count(Stat::OwnAllGatherOps, 1);
@@ -225,10 +225,10 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_reduce_scatter(
     for (const auto& t : inputs[0]) flat.push_back(t.view(-1));
     const at::Tensor in = at::cat(flat);
     const uint64_t bytes = out.numel() * out.element_size();
-    ch.transport->begin_op(stream, Transport::kRsRing);
-    ch.protocol->reduce_scatter(out.data_ptr(), in.data_ptr(), out.numel(), out.element_size(),
-                                spec, seq, desc(OpKind::ReduceScatter, out, bytes, r, true));
-    ch.transport->end_op();
+    ch.protocol->operation(stream, Ring::kReduceScatter, [&] {
+      ch.protocol->reduce_scatter(out.data_ptr(), in.data_ptr(), out.numel(), out.element_size(),
+                                  spec, seq, desc(OpKind::ReduceScatter, out, bytes, r, true));
+    });
     count(Stat::OwnReduceScatterOps, 1);
   });
 }
@@ -241,9 +241,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_exchange(at::Tensor& output,
   std::vector<at::Tensor> outs{output};
   return launch(output.device(), async_op, type, outs, {input},
                 [&](Channel& ch, void* stream, uint64_t seq) {
-    ch.transport->begin_op(stream, Transport::kRsRing);
-    ch.protocol->exchange(output.data_ptr(), input.data_ptr(), x, seq);
-    ch.transport->end_op();
+    ch.protocol->operation(stream, Ring::kReduceScatter, [&] {
+      ch.protocol->exchange(output.data_ptr(), input.data_ptr(), x, seq);
+    });
     count(Stat::OwnExchangeOps, 1);
   });
 }
@@ -309,17 +309,24 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_alltoall(std::vector<at::Tensor>&
   const Layout in_l = lay_out(inputs), out_l = lay_out(outputs);
   ODC_CHECK(in_l.bytes[getRank()] == out_l.bytes[getRank()], ValueError, "odc: ", api,
             ": this rank's input and output for itself differ in size");
-  Protocol::Exchange x{in_l.bytes, in_l.off, out_l.bytes, out_l.off, OpKind::AllToAll,
-                       static_cast<int>(inputs[0].scalar_type()), 0, options_->match_check, true};
+  Protocol::Exchange x;
+  x.send = in_l.bytes;
+  x.send_off = in_l.off;
+  x.recv = out_l.bytes;
+  x.recv_off = out_l.off;
+  x.kind = OpKind::AllToAll;
+  x.scalar_type = static_cast<int>(inputs[0].scalar_type());
+  x.check = options_->match_check;
+  x.talk_empty = true;
   std::vector<at::Tensor> keep(inputs.begin(), inputs.end());
   return launch(device, opts.asyncOp, c10d::OpType::ALLTOALL, outputs, std::move(keep),
                 [&](Channel& ch, void* stream, uint64_t seq) {
     const at::Tensor in = concat_bytes(inputs, device);
     at::Tensor out = at::empty({static_cast<int64_t>(out_l.total)},
                                at::TensorOptions().dtype(at::kByte).device(device));
-    ch.transport->begin_op(stream, Transport::kRsRing);
-    ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
-    ch.transport->end_op();
+    ch.protocol->operation(stream, Ring::kReduceScatter, [&] {
+      ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
+    });
     split_bytes(out, out_l, outputs);
     count(Stat::OwnExchangeOps, 1);
   });
@@ -360,9 +367,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_scatter(
   return launch(out.device(), opts.asyncOp, c10d::OpType::SCATTER, outputs, std::move(keep),
                 [&](Channel& ch, void* stream, uint64_t seq) {
     const at::Tensor in = concat_bytes(root_inputs, out.device());
-    ch.transport->begin_op(stream, Transport::kRsRing);
-    ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
-    ch.transport->end_op();
+    ch.protocol->operation(stream, Ring::kReduceScatter, [&] {
+      ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
+    });
     count(Stat::OwnExchangeOps, 1);
   });
 }
@@ -402,9 +409,9 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_gather(
                 [&](Channel& ch, void* stream, uint64_t seq) {
     at::Tensor out = at::empty({static_cast<int64_t>(l.total)},
                                at::TensorOptions().dtype(at::kByte).device(in.device()));
-    ch.transport->begin_op(stream, Transport::kRsRing);
-    ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
-    ch.transport->end_op();
+    ch.protocol->operation(stream, Ring::kReduceScatter, [&] {
+      ch.protocol->exchange(out.data_ptr(), in.data_ptr(), x, seq);
+    });
     split_bytes(out, l, root_outputs);
     count(Stat::OwnExchangeOps, 1);
   });

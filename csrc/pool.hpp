@@ -1,5 +1,6 @@
-// Layer 4, registered memory: the pool behind the backend's allocate_tensor. Depends on the
-// transport interface (transport.hpp: the pool is made of its arenas, mapped by every peer).
+// Layer 4, registered memory: the pool behind the backend's allocate_tensor. Depends on
+// nothing of odc's: the backend grows it by the transport's arenas (Arenas, transport.hpp),
+// mapped by every peer, and hands it their bases.
 // It starts empty and grows by an arena when an allocation finds no room, up to
 // ODC_POOL_BYTES: every rank grows at the same allocation, since the pools evolve alike.
 //

@@ -6,11 +6,13 @@
 
 namespace odc {
 
-Protocol::Protocol(int rank, int world, const WindowLayout& layout, Transport* transport)
+Protocol::Protocol(int rank, int world, const WindowLayout& layout, Transport* transport,
+                   ZeroCopyReads* zero_copy)
     : rank_(rank),
       world_(world),
       layout_(layout),
       t_(transport),
+      zero_copy_(zero_copy),
       ag_pub_(world, 0),
       rs_sent_(world, 0),
       rs_landed_(world, 0) {

@@ -2,8 +2,8 @@
 // Depends on the layout (layout.hpp) and the transport interface (transport.hpp).
 //
 // Each rank owns a *window*: memory its peers can read and write directly (host
-// shared memory, or CUDA IPC). A window holds monotonically increasing 64-bit
-// counters ("flags") and two data rings:
+// shared memory, or GPU memory through CUDA IPC or NVSHMEM). A window holds
+// monotonically increasing 64-bit counters ("flags") and two data rings:
 //   * the AG ring: the owner publishes its shard chunk by chunk; readers *get*
 //     chunks straight from it (the owner takes no part in a get);
 //   * the RS landing rings, one per source: a sender *puts* its contribution
@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <exception>  // std::uncaught_exceptions
 #include <vector>
 
 #include "layout.hpp"
@@ -37,7 +38,9 @@ namespace odc {
 // transport executes it sequentially.
 class Protocol {
  public:
-  Protocol(int rank, int world, const WindowLayout& layout, Transport* transport);
+  // zero_copy: the transport's reads in place (null: no direct collectives).
+  Protocol(int rank, int world, const WindowLayout& layout, Transport* transport,
+           ZeroCopyReads* zero_copy);
 
   // out holds world * shard_bytes; in holds shard_bytes (may alias out's own part).
   // desc: this rank's op_desc() of the call, checked against every peer's (0: unchecked).
@@ -67,7 +70,7 @@ class Protocol {
   void reduce_scatter_registered(void* out, const std::vector<const char*>& in_at,
                                  size_t out_numel, size_t elem_size, const ReduceSpec& spec,
                                  RegisteredId id, uint64_t op_seq, uint64_t desc = 0);
-  // Direct forms, for memory allocated anywhere (Transport::reads_in_place): each rank's
+  // Direct forms, for memory allocated anywhere (ZeroCopyReads, transport.hpp): each rank's
   // input is read where it lies when every peer has its allocator segment mapped, else staged
   // through its own window in rounds of slots * chunk_bytes. The owner of an input alone
   // decides (`where`: its Transport::locate word, 0 to stage) and says so in the Location word
@@ -106,6 +109,32 @@ class Protocol {
   // number back: the ranks' numbers stay in step.
   void begin_collective();
   void end_collective(bool failed = false);
+  // That bracket for a scope: the collective ends failed where an exception leaves it.
+  class Collective {
+   public:
+    explicit Collective(Protocol& p) : p_(p) { p_.begin_collective(); }
+    ~Collective() { p_.end_collective(std::uncaught_exceptions() > unwinding_); }
+    Collective(const Collective&) = delete;
+    Collective& operator=(const Collective&) = delete;
+
+   private:
+    Protocol& p_;
+    const int unwinding_ = std::uncaught_exceptions();
+  };
+  // One operation of the transport within the collective (Transport::begin_op / end_op on
+  // `ring`, and `also`): what `body` issues runs as one, fused or on the copy engines. Not
+  // ended where body throws (the group is then broken).
+  template <typename F>
+  void operation(void* stream, Ring ring, F&& body, Ring also = Ring::kNone) {
+    t_->begin_op(stream, ring, also);
+    body();
+    t_->end_op();
+  }
+  // The direct collectives' owner side (ZeroCopyReads::locate); 0 without them.
+  uint64_t locate(const void* p, size_t bytes) { return zero_copy_ ? zero_copy_->locate(p, bytes) : 0; }
+  bool reads_in_place() const { return zero_copy_ != nullptr; }
+  // What ran the last operation (the group's stats).
+  Transport::EngineUse last_engine() const { return t_->last_engine(); }
 
   const WindowLayout& layout() const { return layout_; }
 
@@ -147,6 +176,7 @@ class Protocol {
   int world_;
   WindowLayout layout_;
   Transport* t_;
+  ZeroCopyReads* zero_copy_;
   std::vector<uint64_t> ag_pub_;     // per owner: chunks it published into its AG ring
   std::vector<uint64_t> rs_sent_;    // per peer: chunks this rank put into its landing ring
   std::vector<uint64_t> rs_landed_;  // per peer: chunks it put into this rank's landing ring

@@ -194,10 +194,10 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
         const DescCheck check = registered_check(0, only_[p], id, desc);
         t_->wait(i, {flag_in(rank_, kRegReady[0], p)}, only_[p], base + r + 1,
                  {"all_gather", "the input of", op_seq}, r == 0 && desc ? &check : nullptr);
-        const Transport::Located src{flag_in(rank_, kRegWhere[0], p), p,
+        const Located src{flag_in(rank_, kRegWhere[0], p), p,
                                      t_->window(p) + layout_.ag_ring, r * round};
         if (len_of(r)) {
-          t_->copy_located(i, out_b + static_cast<size_t>(p) * shard_bytes + r * round, src, len_of(r));
+          zero_copy_->copy_located(i, out_b + static_cast<size_t>(p) * shard_bytes + r * round, src, len_of(r));
         }
         registered_done(0, i, only_[p], base + r + 1);
       }
@@ -231,7 +231,7 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
   from_peers.reads_peers = true;
   // This rank's part of every rank's input, in rank order: its own in place, the peers' where
   // they say (staged: the region of this rank's landing rings in their windows).
-  std::vector<Transport::Located> srcs(world_);
+  std::vector<Located> srcs(world_);
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
     srcs[p] = {flag_in(rank_, kRegWhere[1], p), p, t_->window(p) + layout_.rs_slot(rank_, 0), 0};
@@ -251,7 +251,7 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
              r == 0 && desc ? &check : nullptr);
     srcs[rank_].staged = in_b + rank_ * part + off;
     for (int p : others_) srcs[p].offset = rank_ * part + off;
-    if (len) t_->reduce_located(0, out_b + off, srcs, len / elem_size, from_peers);
+    if (len) zero_copy_->reduce_located(0, out_b + off, srcs, len / elem_size, from_peers);
     registered_done(1, 0, others_, base + r + 1);
   }
   registered_finish(1, others_, base + rounds, reads);

@@ -12,42 +12,6 @@
 
 namespace odc {
 
-OdcBackend::Path OdcBackend::path_of(Channel& ch, bool ag, const at::Tensor& in,
-                                     const at::Tensor& out, size_t per_rank) const {
-  // Only buffers as allocate_tensor handed them out qualify, so that every rank takes the same
-  // path: a reduce-scatter's whole input; an all-gather's whole input, or its input as this
-  // rank's part of its whole output (in place, as FSDP2 issues it); a pushed all-gather's
-  // whole output. Other tensors in registered memory (views of it, such as FSDP2's
-  // gradients) take the staged path: whether a view is registered can differ between ranks.
-  Path path;
-  if (ch.transport && ch.transport->reads_in_place()) path.way = Path::Way::Direct;  // unless registered
-  const RegisteredPool* pool = ch.pool.get();
-  const int rank = getRank(), world = getSize();
-  const size_t whole = per_rank * world;
-  size_t off = 0;
-  if (!pool || whole == 0) return path;
-  const char* in_p = static_cast<const char*>(in.data_ptr());
-  size_t part = 0;  // where rank r's piece lies past pool->address(r, off)
-  if (!ag) {
-    if (!pool->is_block(in_p, whole, &off)) return path;
-    path.way = Path::Way::Registered;
-  } else if (ch.push_all_gather) {
-    if (!pool->is_block(out.data_ptr(), whole, &off)) return path;
-    path.way = Path::Way::RegisteredPush;  // peers' outputs: this rank writes its part there
-  } else if (pool->is_block(in_p, per_rank, &off)) {
-    path.way = Path::Way::Registered;  // every rank's whole input
-  } else if (in_p == static_cast<const char*>(out.data_ptr()) + static_cast<size_t>(rank) * per_rank &&
-             pool->is_block(out.data_ptr(), whole, &off)) {
-    path.way = Path::Way::Registered;  // in place: rank r's input is its part of its output
-    part = per_rank;
-  } else {
-    return path;
-  }
-  path.id.offset = off;
-  for (int r = 0; r < world; ++r) path.at.push_back(pool->address(r, off) + r * part);
-  return path;
-}
-
 // Before the pool's n-th arena: every rank must grow it by the same size, under the same
 // limit, else one offset would name different places on different ranks. Each tells the
 // others through the group's store and waits for theirs up to the group's timeout.
@@ -97,7 +61,7 @@ bool OdcBackend::grow_pool(Channel& ch, const c10::Device& device, size_t need) 
   try {
     agree_on_growth(device, pool.arenas(), grow, cap);
     try {
-      arena = ch.transport->create_arena(grow);  // collective
+      arena = ch.arenas->create_arena(grow);  // collective
     } catch (const std::exception& e) {
       C10_THROW_ERROR(DistBackendError,
                       cat("odc: allocate_tensor: growing registered memory by ", grow,
@@ -109,7 +73,7 @@ bool OdcBackend::grow_pool(Channel& ch, const c10::Device& device, size_t need) 
     throw;
   }
   std::vector<char*> bases;
-  for (int r = 0; r < getSize(); ++r) bases.push_back(ch.transport->arena(arena, r));
+  for (int r = 0; r < getSize(); ++r) bases.push_back(ch.arenas->arena(arena, r));
   pool.add_arena(std::move(bases), grow);
   count(Stat::RegisteredPoolBytes, grow);
   return true;
@@ -128,7 +92,7 @@ at::Tensor OdcBackend::allocateTensor(long size, at::TensorOptions options) {
     std::lock_guard<std::mutex> lock(mu_);
     check_usable();
     Channel& ch = channel(device);
-    if (!ch.pool && ch.transport && ch.transport->maps_every_peer()) {
+    if (!ch.pool && ch.arenas && ch.arenas->maps_every_peer()) {
       ch.pool = std::make_shared<RegisteredPool>(getRank(), stream_order(device));
     }
     pool = ch.pool;

@@ -9,10 +9,6 @@
 
 namespace odc {
 
-void Transport::unsupported(const char* what) {
-  throw std::runtime_error(std::string("odc: ") + what + " is not available on this transport yet");
-}
-
 std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint64_t seen,
                           std::chrono::milliseconds timeout) {
   return cat("odc: ", site.op, " #", site.op_seq, " timed out after ",

@@ -37,10 +37,25 @@ struct DescCheck {
   uint64_t id = 0;
 };
 
-// A transport moves bytes and counters between windows. Work is issued on
-// *lanes*: lane 0 is the operation's own ordering domain, lane i (1..world-1)
-// carries the traffic with peer (rank + i) % world. A host transport executes
-// immediately in issue order; a device transport enqueues each lane on a stream.
+// What a transport keeps in issue order: each operation runs after the previous one of its
+// ring. The collectives' two rings (their chunk counters assume it), and decoupled mode's
+// arena rings: gets, put-accumulates, the minibatch's sync, and the early takes (on an
+// arena's side stream; apart from the sync, so that no arena's sync waits for another
+// arena's peers). kNone: no ring (begin_op's `also`).
+enum class Ring : int { kAllGather = 0, kReduceScatter, kArenaGet, kArenaPut, kArenaSync,
+                        kArenaEarly, kNone };
+constexpr int kNumRings = static_cast<int>(Ring::kNone);
+inline int ring_index(Ring r) { return static_cast<int>(r); }
+
+class ZeroCopyReads;
+class Arenas;
+
+// A transport moves bytes and counters between windows. Work is issued on *lanes*: lane 0 is
+// the operation's own ordering domain, lane i (1..world-1) carries the traffic with peer
+// (rank + i) % world. A host transport executes immediately in issue order; a device
+// transport enqueues each lane on a stream. This is the core every transport has; what only
+// some have (reads of memory in place, decoupled mode's arenas) are capability interfaces
+// below, offered by the transport when it is made and looked up once by the channel.
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -78,45 +93,12 @@ class Transport {
   // dst[i] = spec.scale * sum_j srcs[j][i]
   virtual void reduce(int lane, void* dst, const std::vector<const void*>& srcs,
                       size_t numel, const ReduceSpec& spec) = 0;
-  // ---- Direct collectives (Protocol::all_gather_direct): inputs read where their owners
-  // say, in memory the caller allocated anywhere. A located source is decided on the device,
-  // after the wait for its owner's "ready": the owner's Location word at `where` (in this
-  // rank's window) names its allocator segment, mapped here (the source is then that mapping
-  // + the word's offset + `offset`), or says "staged" (the source is `staged`, in the owner's
-  // window). `where` null: `staged` is the source (this rank's own input).
-  struct Located {
-    const uint64_t* where = nullptr;
-    int owner = 0;
-    const char* staged = nullptr;
-    size_t offset = 0;
-  };
-  // Whether this transport runs direct collectives (ODC_ZERO_COPY, every peer mapped).
-  virtual bool reads_in_place() const { return false; }
-  // The owner's side: the Location word of `bytes` at `p` if every peer can read them there,
-  // else 0 (stage them). A first sight of p's segment shares it: the peers map it at their
-  // next operation, and a later call finds it readable.
-  virtual uint64_t locate(const void* p, size_t bytes) { return 0; }
-  virtual void copy_located(int lane, void* dst, const Located& src, size_t bytes) {
-    unsupported("direct collectives");
-  }
-  // dst[i] = combine of srcs[j][i] in order (reduce's semantics); srcs[j]'s owner is j.
-  virtual void reduce_located(int lane, void* dst, const std::vector<Located>& srcs,
-                              size_t numel, const ReduceSpec& spec) {
-    unsupported("direct collectives");
-  }
-  // Bracket one collective on `ring` (0: all-gather, 1: reduce-scatter): a device
-  // transport forks its peer lanes from the operation's stream and joins them back
-  // at the end, and orders the operation after the previous one on the same ring
-  // when that ran on another stream (counters assume each ring's chunks in order).
-  // kArenaEarlyRing: decoupled mode's early takes, on an arena's side stream; apart from the
-  // sync ring, so that no arena's sync waits for another arena's peers.
-  enum Ring : int { kAgRing = 0, kRsRing, kArenaGetRing, kArenaPutRing, kArenaSyncRing,
-                    kArenaEarlyRing, kNumRings };
-  virtual void begin_op(void* stream, Ring ring) {}
-  // The operation begun also moves chunks on `ring` (a staged all-gather pushed through the
-  // reduce-scatter's landing rings): it is ordered after that ring's last op too, and is its
-  // last op.
-  virtual void also_on(Ring ring) {}
+  // Bracket one operation on `ring`: a device transport forks its peer lanes from the
+  // operation's stream and joins them back at the end, and orders the operation after the
+  // previous one on the same ring when that ran on another stream. `also`: a second ring
+  // the operation moves chunks on (a staged all-gather pushed through the reduce-scatter's
+  // landing rings): it is ordered after that ring's last op too, and is its last op.
+  virtual void begin_op(void* stream, Ring ring, Ring also = Ring::kNone) {}
   virtual void end_op() {}
   // A device transport: an event (a cudaEvent_t, shared) that completes with the work issued
   // so far on `stream`. after_last_op: the caller issued nothing on the stream since this
@@ -132,28 +114,65 @@ class Transport {
   virtual EngineUse last_engine() const { return {}; }
   // A failure recorded asynchronously (e.g. by a device-side wait), or "".
   virtual std::string async_error() { return {}; }
+
   // The peers' announcements the waits of the collective in progress watch (PeerWatch;
   // set by the protocol at a collective's first transfer, cleared at its end).
   void watch(const PeerWatch& w) { watch_ = w; }
+  // The capabilities this transport offers (null: not offered), fixed when it is made.
+  ZeroCopyReads* zero_copy_reads() const { return offered_.zero_copy; }
+  Arenas* arenas() const { return offered_.arenas; }
 
-  // ---- Decoupled mode: more regions per rank ("arenas", one per decoupled model),
-  // created collectively; returns the arena's id.
-  virtual int create_arena(size_t bytes) { unsupported("decoupled mode"); }
-  virtual char* arena(int id, int rank) { unsupported("decoupled mode"); }
+ protected:
+  PeerWatch watch_;
+  struct Capabilities {
+    ZeroCopyReads* zero_copy = nullptr;
+    Arenas* arenas = nullptr;
+  } offered_;
+};
+
+// Direct collectives (Protocol::all_gather_direct): inputs read where their owners say, in
+// memory the caller allocated anywhere (ODC_ZERO_COPY, every peer mapped). A located source is
+// decided on the device, after the wait for its owner's "ready": the owner's Location word at
+// `where` (in this rank's window) names its allocator segment, mapped here (the source is then
+// that mapping + the word's offset + `offset`), or says "staged" (the source is `staged`, in
+// the owner's window). `where` null: `staged` is the source (this rank's own input).
+struct Located {
+  const uint64_t* where = nullptr;
+  int owner = 0;
+  const char* staged = nullptr;
+  size_t offset = 0;
+};
+class ZeroCopyReads {
+ public:
+  virtual ~ZeroCopyReads() = default;
+  // The owner's side: the Location word of `bytes` at `p` if every peer can read them there,
+  // else 0 (stage them). A first sight of p's segment shares it: the peers map it at their
+  // next operation, and a later call finds it readable.
+  virtual uint64_t locate(const void* p, size_t bytes) = 0;
+  // Recorded in the transport's current operation, on its lanes.
+  virtual void copy_located(int lane, void* dst, const Located& src, size_t bytes) = 0;
+  // dst[i] = combine of srcs[j][i] in order (reduce's semantics); srcs[j]'s owner is j.
+  virtual void reduce_located(int lane, void* dst, const std::vector<Located>& srcs,
+                              size_t numel, const ReduceSpec& spec) = 0;
+};
+
+// Decoupled mode and registered memory: more regions per rank ("arenas", one per decoupled
+// model or pool block), created collectively; their operations run in the transport's
+// current operation, on its lanes.
+class Arenas {
+ public:
+  virtual ~Arenas() = default;
+  // Collective over the group; returns the arena's id.
+  virtual int create_arena(size_t bytes) = 0;
+  virtual char* arena(int id, int rank) = 0;
   // dst[i] += src[i] (src in `dtype`, dst fp32), safe while other ranks add into dst.
-  virtual void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) {
-    unsupported("decoupled mode");
-  }
-  virtual void fill_zero(int lane, void* dst, size_t bytes) { unsupported("decoupled mode"); }
+  virtual void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) = 0;
+  virtual void fill_zero(int lane, void* dst, size_t bytes) = 0;
   // Whether accumulate() reaches every peer (NVSHMEM has no float atomics for routed peers).
   virtual bool accumulates_everywhere() const { return true; }
   // Whether every peer's arenas are mapped here (loads and copies reach them directly):
   // registered memory (pool.hpp) needs it.
   virtual bool maps_every_peer() const { return true; }
-
- protected:
-  [[noreturn]] static void unsupported(const char* what);
-  PeerWatch watch_;
 };
 
 std::string describe_wait(const WaitSite& site, int peer, uint64_t target, uint64_t seen,

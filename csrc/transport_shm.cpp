@@ -77,6 +77,7 @@ double host_scale(const ReduceSpec& spec) {
 
 ShmTransport::ShmTransport(const TransportArgs& args) : a_(args) {
   maps_ = map_segments("shm", a_.layout.total);
+  offered_.arenas = this;
 }
 
 std::vector<char*> map_host_segments(const TransportArgs& a, const std::string& tag, size_t bytes,

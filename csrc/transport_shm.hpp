@@ -20,7 +20,7 @@ namespace odc {
 std::vector<char*> map_host_segments(const TransportArgs& a, const std::string& tag, size_t bytes,
                                      std::vector<pid_t>* pids = nullptr);
 
-class ShmTransport final : public Transport {
+class ShmTransport final : public Transport, public Arenas {
  public:
   explicit ShmTransport(const TransportArgs& args);
   ~ShmTransport() override;

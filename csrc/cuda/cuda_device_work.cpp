@@ -160,4 +160,12 @@ void release_device(Channel& ch) {
   if (ch.async_stream) give_async_stream(ch.device.index(), ch.async_stream);
 }
 
+void* take_side_stream(const c10::Device& device) {
+  return device.is_cuda() ? take_async_stream(device.index()) : nullptr;
+}
+
+void give_side_stream(const c10::Device& device, void* stream) {
+  if (device.is_cuda() && stream) give_async_stream(device.index(), stream);
+}
+
 }  // namespace odc

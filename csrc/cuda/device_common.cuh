@@ -117,7 +117,7 @@ __device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
   return false;
 }
 
-// Transport::Located on the device (after the wait for the owner's "ready", which ordered the
+// Located (../transport.hpp) on the device (after the wait for the owner's "ready", which ordered the
 // owner's Location word before it): the source of `len` bytes the word names; null, reading
 // nothing, once the group has failed (a failed wait of the copy-engine path does not stop the
 // stream: the word may be another call's) or where the word names a segment this GPU has not

@@ -1,7 +1,7 @@
 // Layer 2, a transport's memory: where the CUDA transport's windows and arenas live and how
 // peers reach them. Two kinds: CUDA IPC (ipc_memory.cpp, this host's GPUs) and NVSHMEM's
 // symmetric heap (nvshmem_runtime.cpp, also peers on other hosts). Depends on the
-// transport interface (../transport.hpp: TransportArgs).
+// transport's set-up (../rendezvous.hpp: TransportArgs).
 #pragma once
 
 #include <cuda_runtime.h>

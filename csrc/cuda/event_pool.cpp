@@ -1,12 +1,7 @@
-// Layer 2, a transport: the CUDA transport's pool of completion events (cuda_transport.hpp).
-#include "cuda_transport.hpp"
+// Layer 2, a transport: the CUDA transport's pool of events (event_pool.hpp).
+#include "event_pool.hpp"
 
-#include <unistd.h>
-
-#include <algorithm>
-#include <cstring>
-#include <string>
-#include <vector>
+#include "device_memory.hpp"
 
 namespace odc {
 
@@ -38,11 +33,5 @@ std::shared_ptr<void> EventPool::share(cudaEvent_t ev) {
     pool->give(static_cast<cudaEvent_t>(e));
   });
 }
-
-// Polls the tracked operations. An operation counts as started once the GPU has
-// reached it (its start event completed); if it is still unfinished a group timeout
-// later, its first unmet wait names the peer, the error is recorded for the next
-// call to raise, and every counter of this rank's window is set past any target so
-// that the queued work drains instead of hanging the process.
 
 }  // namespace odc

@@ -1,127 +1,167 @@
-// Layer 2, a transport: the CUDA transport's fused engine (cuda_transport.hpp): an operation's
-// recorded steps run as one kernel, its lanes on blocks of their own.
-#include "cuda_transport.hpp"
-
-#include <unistd.h>
+// Layer 2, a transport: the CUDA transport's fused engine (fused_engine.hpp).
+#include "fused_engine.hpp"
 
 #include <algorithm>
-#include <cstring>
-#include <string>
-#include <vector>
 
 namespace odc {
 
-// ---- The fused engine.
+FusedEngine::FusedEngine(int world, size_t small_op_bytes, int max_blocks)
+    : world_(world), small_op_bytes_(small_op_bytes), max_blocks_(max_blocks) {
+  const size_t bytes = sizeof(unsigned) * kFusedArrivalsPerOp * kNumRings;
+  check(cudaMalloc(reinterpret_cast<void**>(&arrivals_), bytes), "allocating the fused kernel's counters");
+  check(cudaMemset(arrivals_, 0, bytes), "zeroing the fused kernel's counters");
+}
 
-bool CudaTransport::fusable() {
-  if (small_op_bytes_ == 0 || memory_->any_routed() || a_.world > kFusedMaxLanes ||
-      steps_.size() > static_cast<size_t>(kFusedMaxSteps) ||
-      ptrs_.size() > static_cast<size_t>(kFusedMaxPtrs)) {
+FusedEngine::~FusedEngine() {
+  if (arrivals_) (void)cudaFree(arrivals_);
+}
+
+bool FusedEngine::fits(const Step& s) const {
+  if (s.kind() == kStepAccumulate || s.kind() == kStepZero) return false;
+  if (s.data_bytes() > small_op_bytes_) return false;
+  const ReduceSpec* spec = s.as<ReduceStep>()            ? &s.as<ReduceStep>()->spec
+                           : s.as<LocatedReduceStep>()   ? &s.as<LocatedReduceStep>()->spec
+                                                         : nullptr;
+  if (spec && (spec->combine != Combine::Sum ||
+               static_cast<int>(spec->dtype) > static_cast<int>(DType::F16))) {
+    return false;  // the fused kernel sums fp32 / bf16 / fp16 only
+  }
+  return true;
+}
+static_assert(kFusedMaxPtrs <= kFusedThreads, "a thread per counter or source of a step");
+
+bool FusedEngine::plan(const StepRecording& r, bool any_routed) {
+  if (small_op_bytes_ == 0 || any_routed || world_ > kFusedMaxLanes ||
+      r.size() > static_cast<size_t>(kFusedMaxSteps) ||
+      r.word_count() > static_cast<size_t>(kFusedMaxPtrs)) {
     return false;
   }
-  for (const Step& s : steps_) {
-    if (s.kind == kStepAccumulate || s.kind == kStepZero) return false;
-    if ((s.kind == kStepCopy || s.kind == kStepCopyLocated) && s.value > small_op_bytes_) return false;
-    if ((s.kind == kStepReduce || s.kind == kStepReduceLocated) &&
-        (s.value * dtype_size(s.spec.dtype) > small_op_bytes_ || s.spec.combine != Combine::Sum ||
-         static_cast<int>(s.spec.dtype) > static_cast<int>(DType::F16))) {
-      return false;  // the fused kernel sums fp32 / bf16 / fp16 only
-    }
-    if (s.n > kFusedThreads) return false;
+  for (const Step& s : r.steps()) {
+    if (!fits(s)) return false;
   }
-  return plan_fused_blocks();
+  return plan_blocks(r);
 }
 
 // Blocks per lane: none for a lane without steps, one for a lane without data, else enough
 // that each moves about kFusedBytesPerBlock of the lane's largest copy or reduction; at most
-// fused_blocks_ in all (or one per lane, where there are more lanes). False (the copy-engine
+// max_blocks_ in all (or one per lane, where there are more lanes). False (the copy-engine
 // path) where a block would have more than kFusedMaxBytesPerBlock to move.
-bool CudaTransport::plan_fused_blocks() {
+bool FusedEngine::plan_blocks(const StepRecording& r) {
   int lanes_with_data = 0, lanes_without = 0;
-  size_t bytes[kFusedMaxLanes] = {};  // fusable() checked world <= kFusedMaxLanes
+  size_t bytes[kFusedMaxLanes] = {};  // plan() checked world <= kFusedMaxLanes
   bool has_steps[kFusedMaxLanes] = {};
-  for (const Step& s : steps_) {
-    const bool copy = s.kind == kStepCopy || s.kind == kStepCopyLocated;
-    const bool reduce = s.kind == kStepReduce || s.kind == kStepReduceLocated;
-    const size_t b = copy     ? s.value
-                     : reduce ? s.value * dtype_size(s.spec.dtype) * s.n
-                              : 0;
+  for (const Step& s : r.steps()) {
+    const size_t each = s.data_bytes();
+    const auto* red = s.as<ReduceStep>();
+    const auto* located_red = s.as<LocatedReduceStep>();
+    const size_t b = red ? each * red->srcs.n : located_red ? each * located_red->srcs.n : each;
     if (b && !bytes[s.lane]) ++lanes_with_data;
     bytes[s.lane] = std::max(bytes[s.lane], b);
     has_steps[s.lane] = true;
   }
-  for (int lane = 0; lane < a_.world; ++lane) lanes_without += has_steps[lane] && !bytes[lane];
-  const size_t cap = std::max(1, (fused_blocks_ - lanes_without) / std::max(1, lanes_with_data));
-  fused_plan_.assign(a_.world, 0);
-  for (int lane = 0; lane < a_.world; ++lane) {
+  for (int lane = 0; lane < world_; ++lane) lanes_without += has_steps[lane] && !bytes[lane];
+  const size_t cap = std::max(1, (max_blocks_ - lanes_without) / std::max(1, lanes_with_data));
+  plan_.assign(world_, 0);
+  for (int lane = 0; lane < world_; ++lane) {
     if (!has_steps[lane]) continue;
     const size_t want = (bytes[lane] + kFusedBytesPerBlock - 1) / kFusedBytesPerBlock;
-    fused_plan_[lane] = static_cast<int>(std::clamp<size_t>(want, 1, cap));
-    if (bytes[lane] > fused_plan_[lane] * kFusedMaxBytesPerBlock) return false;
+    plan_[lane] = static_cast<int>(std::clamp<size_t>(want, 1, cap));
+    if (bytes[lane] > plan_[lane] * kFusedMaxBytesPerBlock) return false;
   }
   return true;
 }
 
-void CudaTransport::run_fused() {
-  FusedOp op{};
-  op.lanes = a_.world;
-  op.timeout_ns = static_cast<unsigned long long>(a_.timeout().count()) * 1000000ull;
-  op.err = err_dev_;
-  op.watch_slots = watch_.slots;
-  op.watch_word = watch_.word;
-  op.segments = segments_ ? segments_->views() : nullptr;
-  // Steps grouped by lane, in issue order, except that in a run of signals and stores the
-  // stores go first: the run then costs one fence (Transport::signal / store's contract).
+std::vector<const Step*> FusedEngine::lane_order(const StepRecording& r, FusedOp& op) const {
   std::vector<const Step*> order;
-  order.reserve(steps_.size());
-  for (int lane = 0; lane < a_.world; ++lane) {
+  order.reserve(r.size());
+  for (int lane = 0; lane < world_; ++lane) {
     op.lane_begin[lane] = static_cast<unsigned short>(order.size());
     size_t run = order.size();  // where the current run of signals and stores begins
-    for (const Step& s : steps_) {
+    for (const Step& s : r.steps()) {
       if (s.lane != lane) continue;
-      if (s.kind == kStepStore) {
+      if (s.kind() == kStepStore) {
         order.insert(order.begin() + static_cast<std::ptrdiff_t>(run), &s);
         ++run;
       } else {
         order.push_back(&s);
-        if (s.kind != kStepSignal) run = order.size();
+        if (s.kind() != kStepSignal) run = order.size();
       }
     }
   }
-  op.lane_begin[a_.world] = static_cast<unsigned short>(order.size());
-  int blocks = 0;  // fusable()'s plan
-  for (int lane = 0; lane < a_.world; ++lane) {
+  op.lane_begin[world_] = static_cast<unsigned short>(order.size());
+  return order;
+}
+
+void FusedEngine::encode(const Step& s, FusedStep& f, FusedOp& op) const {
+  f.kind = s.kind();
+  auto words = [&f](const WordRange& w) {
+    f.first = static_cast<uint16_t>(w.first);
+    f.n = static_cast<uint16_t>(w.n);
+  };
+  auto reduction = [&f](const ReduceSpec& spec, size_t numel) {
+    f.dtype = static_cast<uint8_t>(spec.dtype);
+    f.scale = static_cast<float>(spec.scale);
+    f.scale_ptr = spec.scale_ptr;
+    f.value = numel;
+  };
+  if (auto* w = s.as<WaitStep>()) {
+    words(w->counters);
+    f.value = w->target;
+    f.check = FusedCheck{w->checked ? w->desc : 0, w->desc_id};
+    f.what = w->site.what;
+    op.op_seq = w->site.op_seq;
+    op.op = w->site.op;
+  } else if (auto* g = s.as<SignalStep>()) {
+    words(g->counters);
+    f.value = g->value;
+  } else if (auto* st = s.as<StoreStep>()) {
+    words(st->words);
+    f.value = st->value;
+  } else if (auto* c = s.as<CopyStep>()) {
+    f.dst = c->dst;
+    f.src = c->src;
+    f.value = c->bytes;
+  } else if (auto* red = s.as<ReduceStep>()) {
+    words(red->srcs);
+    f.dst = red->dst;
+    reduction(red->spec, red->numel);
+  } else if (auto* lc = s.as<LocatedCopyStep>()) {
+    f.dst = lc->dst;
+    f.src = lc->src.staged;
+    f.owner = static_cast<uint16_t>(lc->src.owner);
+    f.located = FusedLocated{lc->src.where, lc->src.offset};
+    f.value = lc->bytes;
+  } else if (auto* lr = s.as<LocatedReduceStep>()) {
+    words(lr->srcs);
+    f.dst = lr->dst;
+    f.located = FusedLocated{nullptr, lr->offset};
+    reduction(lr->spec, lr->numel);
+  }
+}
+
+Transport::EngineUse FusedEngine::run(const StepRecording& r, const OpEnv& env) {
+  FusedOp op{};
+  op.lanes = world_;
+  op.timeout_ns = static_cast<unsigned long long>(env.args.timeout().count()) * 1000000ull;
+  op.err = env.err;
+  op.watch_slots = env.watch.slots;
+  op.watch_word = env.watch.word;
+  op.segments = env.segments;
+  const std::vector<const Step*> order = lane_order(r, op);
+  int blocks = 0;  // plan()'s
+  for (int lane = 0; lane < world_; ++lane) {
     op.block_begin[lane] = static_cast<unsigned short>(blocks);
-    blocks += fused_plan_[lane];
+    blocks += plan_[lane];
   }
-  op.block_begin[a_.world] = static_cast<unsigned short>(blocks);
-  op.arrivals = arrivals_ + static_cast<size_t>(ring_) * kFusedArrivalsPerOp;
-  last_use_ = EngineUse{EngineUse::kFused, blocks};
-  for (size_t k = 0; k < order.size(); ++k) {
-    const Step& s = *order[k];
-    FusedStep& f = op.steps[k];
-    f.kind = s.kind;
-    f.dtype = static_cast<uint8_t>(s.spec.dtype);
-    f.n = static_cast<uint16_t>(s.n);
-    f.first = static_cast<uint16_t>(s.first);
-    f.scale = static_cast<float>(s.spec.scale);
-    f.scale_ptr = s.spec.scale_ptr;
-    f.value = s.value;
-    f.desc = s.desc;
-    f.desc_id = s.desc_id;
-    f.dst = s.dst;
-    f.src = s.src;
-    f.what = s.site.what;
-    if (s.kind == kStepWait) {
-      op.op_seq = s.site.op_seq;
-      op.op = s.site.op;
-    }
+  op.block_begin[world_] = static_cast<unsigned short>(blocks);
+  op.arrivals = arrivals_ + static_cast<size_t>(ring_index(env.ring)) * kFusedArrivalsPerOp;
+  for (size_t k = 0; k < order.size(); ++k) encode(*order[k], op.steps[k], op);
+  for (size_t i = 0; i < r.word_count(); ++i) {
+    op.ptrs[i] = r.word(static_cast<int>(i));
+    op.peers[i] = static_cast<short>(r.peer(static_cast<int>(i)));
   }
-  for (size_t i = 0; i < ptrs_.size(); ++i) {
-    op.ptrs[i] = ptrs_[i];
-    op.peers[i] = static_cast<short>(peers_[i]);
-  }
-  check(launch_fused(op, device_, op_stream_), "launching the fused collective kernel");
+  check(launch_fused(op, env.device, env.stream), "launching the fused collective kernel");
+  return Transport::EngineUse{Transport::EngineUse::kFused, blocks};
 }
 
 }  // namespace odc

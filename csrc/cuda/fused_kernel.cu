@@ -58,10 +58,10 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, int parts) {
 // peer overwrite it).
 __device__ __forceinline__ bool needs_all_blocks(const FusedStep& s) {
   return s.kind == kStepCopy || s.kind == kStepReduce || s.kind == kStepCopyLocated ||
-         s.kind == kStepReduceLocated || (s.kind == kStepWait && s.desc != 0);
+         s.kind == kStepReduceLocated || (s.kind == kStepWait && s.check.desc != 0);
 }
 
-// A signal point of a lane: the run of stores (payloads, first: run_fused orders them so) and
+// A signal point of a lane: the run of stores (payloads, first: FusedEngine::lane_order puts them so) and
 // signals from step i; returns where the run ends. One thread stores the payloads, fences
 // once, and stores the counters: where the lane moved data (or checked a descriptor) since
 // its last point, that of the last block to arrive (after every block's steps), which becomes
@@ -101,7 +101,7 @@ __device__ __forceinline__ int signal_point(const FusedOp& op, int lane, int i, 
   return end;
 }
 
-// This block's part of a reduction step (sums of fp32 / bf16 / fp16 only: fusable()).
+// This block's part of a reduction step (sums of fp32 / bf16 / fp16 only: FusedEngine::fits).
 __device__ __forceinline__ void reduce_step(const FusedStep& s, const void* const* srcs, int part,
                                             int parts) {
   const float scale = s.scale_ptr ? *s.scale_ptr : s.scale;
@@ -119,12 +119,11 @@ __device__ __forceinline__ void reduce_step(const FusedStep& s, const void* cons
 __device__ const void* located_source(const FusedOp& op, const FusedStep& s, int j) {
   const bool copy = s.kind == kStepCopyLocated;
   const int k = s.first + j;
-  const uint64_t* where = copy ? reinterpret_cast<const uint64_t*>(s.desc)
-                               : static_cast<const uint64_t*>(op.ptrs[k + s.n]);
+  const uint64_t* where = copy ? s.located.where : static_cast<const uint64_t*>(op.ptrs[k + s.n]);
   const char* staged = static_cast<const char*>(copy ? s.src : op.ptrs[k]);
-  // (fused reductions are of fp32, bf16 or fp16 only: fusable())
+  // (fused reductions are of fp32, bf16 or fp16 only: FusedEngine::fits)
   const unsigned long long len = copy ? s.value : s.value * (static_cast<DType>(s.dtype) == DType::F32 ? 4 : 2);
-  return where ? resolve_located(where, copy ? s.n : j, staged, s.desc_id, len, op.segments, op.err,
+  return where ? resolve_located(where, copy ? s.owner : j, staged, s.located.offset, len, op.segments, op.err,
                                  op.op_seq, op.op, false, op.watch_slots ? op.watch_word : 0)
                : staged;
 }
@@ -150,8 +149,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
           if (!wait_counter(static_cast<const uint64_t*>(op.ptrs[k]), s.value, start,
                             op.timeout_ns, op.err, op.peers[k], op.op_seq, op.op, s.what,
                             PeerWatch{op.watch_slots, op.watch_word}) ||
-              (s.desc && !check_desc(static_cast<const uint64_t*>(op.ptrs[k + s.n]), s.desc,
-                                     s.desc_id, op.err, op.peers[k], op.op_seq, op.op,
+              (s.check.desc && !check_desc(static_cast<const uint64_t*>(op.ptrs[k + s.n]),
+                                           s.check.desc, s.check.id, op.err, op.peers[k], op.op_seq, op.op,
                                      op.watch_slots ? op.watch_word : 0))) {
             failed = 1;
           }

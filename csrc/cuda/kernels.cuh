@@ -103,7 +103,7 @@ struct SegmentView {
   unsigned long long bytes;  // the segment's size: no read goes past it
 };
 
-// Transport::Located on the device: after the wait for its owner's "ready", the owner's Location
+// Located (../transport.hpp) on the device: after the wait for its owner's "ready", the owner's Location
 // word at `where` says whether the source is the owner's segment (its mapping here, at the
 // word's offset plus `offset`) or `staged` (resolve_located, device_common.cuh).
 struct LocatedSrc {
@@ -127,7 +127,7 @@ struct LocatedCopyOp {
 
 struct ReduceOpArgs {
   const void* src[kMaxPeers];
-  // Located sources (Transport::reduce_located): where[j] set, src j is located (its owner is j,
+  // Located sources (ZeroCopyReads::reduce_located): where[j] set, src j is located (its owner is j,
   // src[j] its staged address, located_offset past the owner's word's offset); null: src[j].
   const uint64_t* where[kMaxPeers];
   const SegmentView* segments;
@@ -149,25 +149,39 @@ struct ReduceOpArgs {
 // or copy per step, events per lane). A lane's blocks all take part in its waits and split
 // its copies and reductions; at a signal point after data the last of them to arrive (a
 // counter in `arrivals`) stores the point's payloads and counters and becomes the lane's
-// leader, which signals the points without data (kernels.cu). (kStepAccumulate and kStepZero
-// run on the copy-engine path only, never fused.) The located steps (Transport::copy_located,
-// reduce_located): a copy keeps its LocatedSrc in desc (where), src (staged), desc_id (offset)
-// and n (owner); a reduction has its n staged sources, then their n `where` words (null: the
-// source itself), in ptrs, and the offset in desc_id.
+// leader, which signals the points without data (fused_kernel.cu). (kStepAccumulate and
+// kStepZero run on the copy-engine path only, never fused.) The located steps
+// (ZeroCopyReads::copy_located, reduce_located): a copy's source is `located` with `owner`
+// (and src, its staged address); a reduction has its n staged sources, then their n Location
+// words (null: the source itself), in ptrs, and located.offset.
 enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce, kStepAccumulate, kStepZero,
                          kStepStore, kStepCopyLocated, kStepReduceLocated };
+
+// A wait's check (DescCheck): the descriptor each awaited peer stored (0: unchecked), at
+// ptrs[first + n + i], with the id `id`.
+struct FusedCheck {
+  unsigned long long desc;
+  unsigned long long id;
+};
+// A located step's source: a copy's owner's Location word (a reduction's are in ptrs), and the
+// offset past each word's offset.
+struct FusedLocated {
+  const uint64_t* where;
+  unsigned long long offset;
+};
 
 struct FusedStep {
   uint8_t kind;
   uint8_t dtype;             // reduce: DType
   uint16_t n;                // wait/signal/store: counters (words); reduce: sources
   uint16_t first;            // first entry of this step in FusedOp::ptrs / peers
-  uint16_t pad;
+  uint16_t owner;            // located copy: its source's owner
   float scale;               // reduce
   unsigned long long value;  // wait target, signal value, copy bytes or reduce numel
-  unsigned long long desc;   // wait: the descriptor each awaited peer stored (0: unchecked),
-                             // at ptrs[first + n + i], with the id desc_id (DescCheck)
-  unsigned long long desc_id;
+  union {
+    FusedCheck check;        // wait
+    FusedLocated located;    // located copy and reduction
+  };
   void* dst;
   const void* src;
   const float* scale_ptr;    // reduce: tensor factor (device, fp32) or null
@@ -222,7 +236,7 @@ cudaKernelNodeParams put_signal_node_params(void** args);
 cudaError_t preload_kernels();
 // dst = combine of the sources in rank order (ReduceSpec's semantics: layout.hpp). `bulk`:
 // the floating-point Sum may stream its sources through the TMA engine (worth it where some
-// are read across NVLink; kernels.cu).
+// are read across NVLink; reduce_kernels.cu).
 cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine, int blocks,
                           bool bulk, cudaStream_t stream);
 // The blocks launch_reduce runs a reduction of `numel` elements on, at most `blocks`.

@@ -246,7 +246,43 @@ class SymmetricMemory final : public DeviceMemory {
     const size_t asked = bytes;
     const size_t rooms = (!opened_ && any_routed_) ? stage_bytes(a.world) : 0;
     if (rooms > 0) bytes = round4k(bytes) + rooms;
-    uint64_t off = 0;
+    const uint64_t off = reserve(a, tag, bytes, what);
+    std::vector<char*> bases(a.world, nullptr);
+    char* local = slab_at(off);
+    check_cuda(cudaMemset(local, 0, asked), "zeroing a window");
+    check_cuda(cudaDeviceSynchronize(), "zeroing a window");
+    if (rooms > 0) {
+      stage_ = local + round4k(asked);
+      stage_size_ = rooms;
+    }
+    for (int r = 0; r < a.world; ++r) {
+      if (r == a.rank) {
+        bases[r] = local;
+      } else if (routed_.at(r)) {
+        // A peer NVSHMEM cannot map is a network peer: its copies stage their local side.
+        const bool network = nvshmem_ptr(local, pes_.at(r)) == nullptr;
+        if (!opened_) {
+          network_[r] = network;
+          if (network) network_peers.fetch_add(1, std::memory_order_relaxed);
+        }
+        bases[r] = reinterpret_cast<char*>(kRoutedBase + r * kRoutedStride + off);
+      } else {
+        bases[r] = static_cast<char*>(nvshmem_ptr(local, pes_.at(r)));
+        ODC_CHECK(bases[r] != nullptr, Error, "odc nvshmem: rank ", r, " (PE ", pes_.at(r),
+                  ") is on this host but not reachable peer-to-peer");
+      }
+    }
+    opened_ = true;
+    return bases;  // the transport barriers before any peer may signal into it
+  }
+
+  void close(const TransportArgs&, std::vector<char*>& bases) override {
+    bases.assign(bases.size(), nullptr);  // the slab keeps it (a bump allocator)
+  }
+
+ private:
+  // The offset in the slab where `bytes` lie on every member (open's agreement).
+  uint64_t reserve(const TransportArgs& a, const std::string& tag, size_t bytes, const char* what) {
     for (int round = 0;; ++round) {
       const std::string key = tag + "_nvshmem_" + std::to_string(round);
       std::vector<uint64_t> mine;
@@ -282,47 +318,15 @@ class SymmetricMemory final : public DeviceMemory {
         ok = top[seg] >= g.used;
         if (ok) g.used = round4k(top[seg] + bytes);
       }
-      off = segments[seg].start + top[seg];
+      const uint64_t off = segments[seg].start + top[seg];
       bool all_ok = true;
       for (const auto& b : exchange_blobs(a, key + "_reserved", as_bytes(ok))) {
         all_ok &= from_bytes(b) != 0;
       }
-      if (all_ok) break;  // else: what this rank reserved stays a hole
+      if (all_ok) return off;  // else: what this rank reserved stays a hole
     }
-    std::vector<char*> bases(a.world, nullptr);
-    char* local = slab_at(off);
-    check_cuda(cudaMemset(local, 0, asked), "zeroing a window");
-    check_cuda(cudaDeviceSynchronize(), "zeroing a window");
-    if (rooms > 0) {
-      stage_ = local + round4k(asked);
-      stage_size_ = rooms;
-    }
-    for (int r = 0; r < a.world; ++r) {
-      if (r == a.rank) {
-        bases[r] = local;
-      } else if (routed_.at(r)) {
-        // A peer NVSHMEM cannot map is a network peer: its copies stage their local side.
-        const bool network = nvshmem_ptr(local, pes_.at(r)) == nullptr;
-        if (!opened_) {
-          network_[r] = network;
-          if (network) network_peers.fetch_add(1, std::memory_order_relaxed);
-        }
-        bases[r] = reinterpret_cast<char*>(kRoutedBase + r * kRoutedStride + off);
-      } else {
-        bases[r] = static_cast<char*>(nvshmem_ptr(local, pes_.at(r)));
-        ODC_CHECK(bases[r] != nullptr, Error, "odc nvshmem: rank ", r, " (PE ", pes_.at(r),
-                  ") is on this host but not reachable peer-to-peer");
-      }
-    }
-    opened_ = true;
-    return bases;  // the transport barriers before any peer may signal into it
   }
 
-  void close(const TransportArgs&, std::vector<char*>& bases) override {
-    bases.assign(bases.size(), nullptr);  // the slab keeps it (a bump allocator)
-  }
-
- private:
   struct Routed {
     int rank;  // group rank
     int pe;
@@ -347,7 +351,7 @@ class SymmetricMemory final : public DeviceMemory {
 }  // namespace
 
 size_t stage_bytes(int world) {
-  return static_cast<size_t>(Transport::kNumRings) * static_cast<size_t>(world) * kStageBytes;
+  return static_cast<size_t>(kNumRings) * static_cast<size_t>(world) * kStageBytes;
 }
 
 std::unique_ptr<DeviceMemory> make_memory(std::vector<int> pe_of_rank, std::vector<bool> routed,

@@ -150,6 +150,28 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The stages' barriers, each expecting one arrival (thread 0's, with the bytes it fetches).
+__device__ __forceinline__ void init_stages(unsigned long long* landed) {
+  for (int s = 0; s < kPipeStages; ++s) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&landed[s])) : "memory");
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Until the stage's barrier `bar` completed its phase `parity` (its tiles have landed).
+__device__ __forceinline__ void wait_stage(unsigned bar, unsigned parity) {
+  unsigned ready = 0;
+  while (!ready) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(ready)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+#endif
+
 // A tile is `chunk` bytes of every source; tiles go to blocks round robin.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads) reduce_bulk_kernel(ReduceOpArgs a, int chunk) {
@@ -186,27 +208,14 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_bulk_kernel(ReduceOpArg
           : "memory");
     }
   };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kPipeStages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&landed[s])) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) init_stages(landed);
   __syncthreads();
   if (threadIdx.x == 0) {
     for (size_t i = 0; i < kPipeStages && i < mine; ++i) fetch(i);
   }
   uint4* dst = static_cast<uint4*>(a.dst);
   for (size_t i = 0; i < mine; ++i) {
-    const unsigned bar = smem_addr(&landed[i % kPipeStages]), parity = (i / kPipeStages) & 1;
-    unsigned ready = 0;
-    while (!ready) {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(ready)
-          : "r"(bar), "r"(parity)
-          : "memory");
-    }
+    wait_stage(smem_addr(&landed[i % kPipeStages]), (i / kPipeStages) & 1);
     for (size_t v = threadIdx.x; v < tile_vecs; v += blockDim.x) {
       float acc[V];
       U u;

@@ -1,58 +1,50 @@
-// Layer 2, a transport: how the CUDA transport issues its signals (cuda_transport.hpp):
-// batched per lane, as stream memory operations or small kernels.
-#include "cuda_transport.hpp"
-
-#include <unistd.h>
-
-#include <algorithm>
-#include <cstring>
-#include <string>
-#include <vector>
+// Layer 2, a transport: how the CUDA transport's copy engines issue signals (copy_engines.hpp):
+// batched per lane into its next flag kernel, or written at once as stream memory operations;
+// routed peers' through the memory's own path.
+#include "copy_engines.hpp"
 
 namespace odc {
 
-void CudaTransport::flush_signals(int lane) {
-  if (pending_[lane].batches > 0) launch_flags(lane, nullptr);
+void CopyEngines::flush_signals(Issue& op, int lane) {
+  if (pending_[lane].batches > 0) launch_flags(op, lane, nullptr);
 }
 
-void CudaTransport::issue_signal(int lane, const std::vector<uint64_t*>& flags,
-                                    uint64_t value, bool payload) {
-  if (memory_->any_routed()) {
-    std::vector<uint64_t*> direct;
-    bool prepared = false;
-    for (uint64_t* f : flags) {
-      if (!memory_->routed(f)) {
-        direct.push_back(f);
-        continue;
-      }
-      if (!prepared) {  // after the lane's earlier steps, pending direct signals included
-        issue_prepare(lane);
-        memory_->quiet_routed(lane_stream(lane));
-        prepared = true;
-      }
-      memory_->signal_routed(f, value, lane_stream(lane));
-    }
-    if (!direct.empty()) issue_direct_signal(lane, direct, value, payload);
+void CopyEngines::flush_all_signals(Issue& op) {
+  for (int lane = 0; lane < world_; ++lane) flush_signals(op, lane);
+}
+
+void CopyEngines::issue_signal(Issue& op, int lane, const std::vector<uint64_t*>& flags,
+                               uint64_t value, bool payload) {
+  DeviceMemory& memory = op.env.memory;
+  if (!memory.any_routed()) {
+    issue_direct_signal(op, lane, flags, value, payload);
     return;
   }
-  issue_direct_signal(lane, flags, value, payload);
+  std::vector<uint64_t*> direct;
+  bool prepared = false;
+  for (uint64_t* f : flags) {
+    if (!memory.routed(f)) {
+      direct.push_back(f);
+      continue;
+    }
+    if (!prepared) {  // after the lane's earlier steps, pending direct signals included
+      prepare(op, lane);
+      memory.quiet_routed(lanes_.stream(lane));
+      prepared = true;
+    }
+    memory.signal_routed(f, value, lanes_.stream(lane));
+  }
+  if (!direct.empty()) issue_direct_signal(op, lane, direct, value, payload);
 }
 
-void CudaTransport::issue_direct_signal(int lane, const std::vector<uint64_t*>& flags,
-                                           uint64_t value, bool payload) {
-  if (wait_value_) {
-    // Stream memory operations: written at once, in protocol order. Held back until
-    // the lane's next wait, a signal could queue behind a blocked wait of another
-    // stream sharing its hardware queue, and two ranks would wait for each other.
-    fork_lane(lane);
-    const CUstream s = reinterpret_cast<CUstream>(lane_stream(lane));
-    // Payloads too: the v2 entry points refuse CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER.
-    for (uint64_t* f : flags) {
-      if (write_value_(s, reinterpret_cast<CUdeviceptr>(f), value,
-                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
-        throw std::runtime_error("odc: cuStreamWriteValue64 failed");
-      }
-    }
+void CopyEngines::issue_direct_signal(Issue& op, int lane, const std::vector<uint64_t*>& flags,
+                                      uint64_t value, bool payload) {
+  if (memops_) {
+    // Stream memory operations: written at once, in protocol order. Held back until the
+    // lane's next wait, a signal could queue behind a blocked wait of another stream sharing
+    // its hardware queue, and two ranks would wait for each other.
+    lanes_.fork(lane);
+    for (uint64_t* f : flags) memops_.write(lanes_.stream(lane), f, value);
     return;
   }
   PendingSignals* p = &pending_[lane];
@@ -63,7 +55,7 @@ void CudaTransport::issue_direct_signal(int lane, const std::vector<uint64_t*>& 
     return;
   }
   if (p->batches == kSignalBatches) {
-    flush_signals(lane);
+    flush_signals(op, lane);
     p = &pending_[lane];
   }
   p->flags[p->batches].assign(flags.begin(), flags.end());
@@ -71,7 +63,5 @@ void CudaTransport::issue_direct_signal(int lane, const std::vector<uint64_t*>& 
   p->payload[p->batches] = payload;
   ++p->batches;
 }
-
-// Before a data step on a lane: pending signals first, the lane forked from the op stream.
 
 }  // namespace odc

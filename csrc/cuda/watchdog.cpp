@@ -1,23 +1,52 @@
-// Layer 2, a transport: the CUDA transport's watchdog (cuda_transport.hpp): a host thread that
-// watches the device-side waits of issued operations and turns one that outlives the group's
-// timeout into the group's asynchronous error, naming the peer and what it was waiting for.
-#include "cuda_transport.hpp"
+// Layer 2, a transport: the CUDA transport's watchdog (watchdog.hpp).
+#include "watchdog.hpp"
 
-#include <unistd.h>
-
-#include <algorithm>
-#include <cstring>
-#include <string>
-#include <vector>
+#include <atomic>
 
 namespace odc {
 
-void CudaTransport::watchdog_loop() {
+Watchdog::Watchdog(const TransportArgs& a, int device, DeviceErrorRecord& errors, char* window,
+                   std::shared_ptr<EventPool> events)
+    : a_(a), device_(device), errors_(errors), window_(window), events_(std::move(events)) {
+  check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating a stream");
+  thread_ = std::thread([this] { loop(); });
+}
+
+Watchdog::~Watchdog() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  for (auto& t : tracked_) {
+    (void)cudaEventDestroy(t.start);
+    (void)cudaEventDestroy(t.end);
+  }
+  (void)cudaStreamDestroy(stream_);
+}
+
+void Watchdog::track(cudaEvent_t start, cudaEvent_t end, std::vector<WatchedWait> waits,
+                     const PeerWatch& watch) {
+  Tracked t;
+  t.start = start;
+  t.end = end;
+  t.waits = std::move(waits);
+  t.watch = watch;
+  std::lock_guard<std::mutex> lk(mu_);
+  tracked_.push_back(std::move(t));
+}
+
+// Polls the tracked operations. An operation counts as started once the GPU has reached it (its
+// start event completed); if it is still unfinished a group timeout later, its first unmet wait
+// names the peer, the error is recorded for the next call to raise, and every counter of this
+// rank's window is set past any target so that the queued work drains instead of hanging.
+void Watchdog::loop() {
   (void)cudaSetDevice(device_);
-  std::unique_lock<std::mutex> lk(wd_mu_);
+  std::unique_lock<std::mutex> lk(mu_);
   bool released = false;
-  while (!wd_stop_) {
-    wd_cv_.wait_for(lk, std::chrono::milliseconds(20));
+  while (!stop_) {
+    cv_.wait_for(lk, std::chrono::milliseconds(20));
     const auto now = std::chrono::steady_clock::now();
     for (auto it = tracked_.begin(); it != tracked_.end();) {
       if (cudaEventQuery(it->end) == cudaSuccess) {
@@ -47,19 +76,21 @@ void CudaTransport::watchdog_loop() {
   }
 }
 
+bool Watchdog::read(const uint64_t* word, uint64_t* value) {
+  return cudaMemcpyAsync(value, word, sizeof(*value), cudaMemcpyDeviceToHost, stream_) ==
+             cudaSuccess &&
+         cudaStreamSynchronize(stream_) == cudaSuccess;
+}
+
 // Stream memory operations cannot watch the peers' announcements themselves (PeerWatch):
 // the watchdog reads the slots of the peers an unfinished operation waits for, and
 // records a peer that announced another collective at this point.
-bool CudaTransport::announced_other(const Tracked& op) {
-  for (const WaitRec& w : op.waits) {
+bool Watchdog::announced_other(const Tracked& op) {
+  for (const WatchedWait& w : op.waits) {
     uint64_t theirs = 0;
-    if (cudaMemcpyAsync(&theirs, op.watch.slot_of(w.peer), sizeof(theirs), cudaMemcpyDeviceToHost,
-                        wd_stream_) != cudaSuccess ||
-        cudaStreamSynchronize(wd_stream_) != cudaSuccess) {
-      return false;
-    }
+    if (!read(op.watch.slot_of(w.peer), &theirs)) return false;
     if (!op.watch.differs(theirs)) continue;
-    volatile DeviceError* e = err_host_;
+    volatile DeviceError* e = errors_.on_host();
     if (e->code == 0) {
       e->peer = w.peer;
       e->op_seq = w.site.op_seq;
@@ -78,33 +109,30 @@ bool CudaTransport::announced_other(const Tracked& op) {
 
 // What record_error does on the device after a failure (layout.hpp, kAnnounceStopped), from
 // the host: the waits the watchdog diagnoses are stream memory operations.
-void CudaTransport::tell_peers_given_up(const PeerWatch& watch, int code) {
+void Watchdog::tell_peers_given_up(const PeerWatch& watch, int code) {
   if (!watch.slots) return;
   const uint64_t stopped = stopped_word(watch.word, code);  // read before the synchronisation
   const uint64_t slot = (watch.word & kAnnounceSeqMask) % kAnnounceSlots;
-  for (int i = 0; i < err_host_->n_notify; ++i) {
-    (void)cudaMemcpyAsync(err_host_->notify[i] + slot, &stopped, sizeof(stopped),
-                          cudaMemcpyHostToDevice, wd_stream_);
+  volatile DeviceError* e = errors_.on_host();
+  for (int i = 0; i < e->n_notify; ++i) {
+    (void)cudaMemcpyAsync(e->notify[i] + slot, &stopped, sizeof(stopped), cudaMemcpyHostToDevice,
+                          stream_);
   }
-  (void)cudaStreamSynchronize(wd_stream_);
+  (void)cudaStreamSynchronize(stream_);
 }
 
-bool CudaTransport::diagnose_and_release(const Tracked& op) {
+bool Watchdog::diagnose_and_release(const Tracked& op) {
   // Each awaited counter is read on its own: it may live in the window or in an arena.
   const uint64_t released = uint64_t{1} << 62;
-  bool unmet = err_host_->code != 0;  // already failed: keep releasing
+  volatile DeviceError* e = errors_.on_host();
+  bool unmet = e->code != 0;  // already failed: keep releasing
   std::vector<const uint64_t*> stuck;
-  for (const WaitRec& w : op.waits) {
+  for (const WatchedWait& w : op.waits) {
     uint64_t seen = 0;
-    if (cudaMemcpyAsync(&seen, w.flag, sizeof(seen), cudaMemcpyDeviceToHost, wd_stream_) !=
-            cudaSuccess ||
-        cudaStreamSynchronize(wd_stream_) != cudaSuccess) {
-      return false;
-    }
+    if (!read(w.flag, &seen)) return false;
     if (seen >= w.target) continue;
     unmet = true;
     stuck.push_back(w.flag);
-    volatile DeviceError* e = err_host_;
     if (e->code == 0) {
       e->peer = w.peer;
       e->op_seq = w.site.op_seq;
@@ -122,36 +150,13 @@ bool CudaTransport::diagnose_and_release(const Tracked& op) {
   // target (the group is unusable from now on).
   const size_t flag_bytes = a_.layout.flags_bytes;  // the window's counters come first
   std::vector<uint64_t> counters(flag_bytes / sizeof(uint64_t), released);
-  (void)cudaMemcpyAsync(bases_[a_.rank], counters.data(), flag_bytes, cudaMemcpyHostToDevice,
-                        wd_stream_);
+  (void)cudaMemcpyAsync(window_, counters.data(), flag_bytes, cudaMemcpyHostToDevice, stream_);
   for (const uint64_t* f : stuck) {
     (void)cudaMemcpyAsync(const_cast<uint64_t*>(f), &released, sizeof(released),
-                          cudaMemcpyHostToDevice, wd_stream_);
+                          cudaMemcpyHostToDevice, stream_);
   }
-  (void)cudaStreamSynchronize(wd_stream_);
+  (void)cudaStreamSynchronize(stream_);
   return true;
-}
-
-
-std::string CudaTransport::async_error() {
-  volatile DeviceError* e = err_host_;
-  const int code = e->code;
-  if (code == 0) return {};
-  std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before code
-  const char* op = e->op;
-  const char* what = e->what;
-  WaitSite site{op ? op : "collective", what ? what : "a counter of", e->op_seq};
-  const std::string text =
-      code == 4   ? "odc: " + std::string(site.op) + " (collective #" + std::to_string(site.op_seq) +
-                      ") on rank " + std::to_string(a_.rank) + ": rank " + std::to_string(e->peer) +
-                      " named memory this rank cannot read (its segment " + std::to_string(e->target) +
-                      ", generation " + std::to_string(e->mine) + ", up to byte " + std::to_string(e->seen) +
-                      "; this rank has generation " + std::to_string(e->theirs) + "); nothing was read"
-      : code == kStopAnnounced || code == kStopPeerStopped
-          ? describe_announced(site, a_.rank, e->peer, e->mine, e->theirs)
-      : code == 2 ? describe_mismatch(site, a_.rank, e->peer, e->mine, e->theirs, e->target, e->seen)
-                  : describe_wait(site, e->peer, e->target, e->seen, a_.timeout());
-  return text + " (detected on the GPU; results of this and later collectives are invalid)";
 }
 
 }  // namespace odc

@@ -169,7 +169,7 @@ def update_batch(a, batch: dict, rank: int, dp: int):
 def overrides(a, work: Path) -> list[str]:
     """verl's PPO trainer config overrides (the same for both engines)."""
     cpu = a.device == "cpu"
-    attention = "sdpa" if cpu else "odc_varlen"  # verl_varlen_attention.py: no flash-attn needed
+    attention = attention_of(a)
     ar = "actor_rollout_ref"
     o = [f"{ar}.model.path={work / 'model'}", f"+{ar}.model.override_config.attn_implementation={attention}",
          f"{ar}.model.use_remove_padding=True", f"{ar}.model.enable_gradient_checkpointing={not cpu}",
@@ -184,15 +184,44 @@ def overrides(a, work: Path) -> list[str]:
     if cpu:  # fp32 throughout: the comparison is then reassociation alone
         o += [f"{ar}.actor.fsdp_config.model_dtype=fp32",
               *(f"+{ar}.actor.fsdp_config.mixed_precision.{k}_dtype=fp32" for k in ("param", "reduce", "buffer"))]
+    o += feature_overrides(a, f"{ar}.model", f"{ar}.actor.fsdp_config")
+    if a.sp > 1:  # the actor section's own copy of the setting, which the worker reads too
+        o.append(f"{ar}.actor.ulysses_sequence_parallel_size={a.sp}")
     if a.role == "critic":
         o += critic_overrides(a, work)
+    return o
+
+
+def attention_of(a) -> str:
+    """The attention implementation of both runs. GPUs: PyTorch's variable-length flash
+    attention (verl_varlen_attention.py: no flash-attn needed), or with sequence parallelism
+    flash-attn's, where verl puts its Ulysses all-to-alls. CPU: SDPA, or with sequence
+    parallelism the CPU shim's Ulysses attention (verl's all-to-alls around SDPA)."""
+    if a.device == "cpu":
+        return "cpu_ulysses" if a.sp > 1 else "sdpa"
+    return "flash_attention_2" if a.sp > 1 else "odc_varlen"
+
+
+def feature_overrides(a, model: str, engine: str) -> list[str]:
+    """LoRA, Ulysses sequence parallelism, parameter and optimizer offload and verl's
+    no-sync gradient accumulation (``model``, ``engine``: the config sections)."""
+    o = []
+    if a.lora_rank:
+        o += [f"{model}.lora_rank={a.lora_rank}", f"{model}.lora_alpha={a.lora_alpha or a.lora_rank}",
+              f"{model}.target_modules=all-linear"]
+    if a.sp > 1:
+        o.append(f"{engine}.ulysses_sequence_parallel_size={a.sp}")
+    if a.offload:
+        o += [f"{engine}.param_offload=True", f"{engine}.optimizer_offload=True"]
+    if a.use_no_sync is not None:
+        o.append(f"{engine}.use_no_sync_for_gradient_accumulation={a.use_no_sync}")
     return o
 
 
 def critic_overrides(a, work: Path) -> list[str]:
     """The ``critic`` section's overrides: the actor's settings, for the critic."""
     cpu = a.device == "cpu"
-    attention = "sdpa" if cpu else "odc_varlen"
+    attention = attention_of(a)
     o = [f"critic.model.path={work / 'model'}", f"+critic.model.override_config.attn_implementation={attention}",
          "critic.model.use_remove_padding=True", f"critic.model.enable_gradient_checkpointing={not cpu}",
          "critic.strategy=fsdp2", "critic.fsdp.use_torch_compile=False",
@@ -206,9 +235,9 @@ def critic_overrides(a, work: Path) -> list[str]:
     return o
 
 
-def load_cpu_shim(path: str) -> None:
+def load_cpu_shim(path: str):
     """Import the CPU shim (it registers verl's "cpu" platform) and register verl's own FSDP
-    engines for the CPU with it."""
+    engines for the CPU with it; returns the shim."""
     import importlib.util
 
     os.environ.setdefault("VERL_PLATFORM", "cpu")
@@ -217,6 +246,7 @@ def load_cpu_shim(path: str) -> None:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     module.register_verl_engines()
+    return module
 
 
 def build_critic(cfg):
@@ -244,8 +274,7 @@ def build_critic(cfg):
 
 
 def worker(a) -> int:
-    if a.device == "cpu":
-        load_cpu_shim(a.entry)
+    shim = load_cpu_shim(a.entry) if a.device == "cpu" else None
     import torch
     import torch.distributed as dist
 
@@ -257,6 +286,11 @@ def worker(a) -> int:
         import verl_varlen_attention  # noqa: F401  (registers the "odc_varlen" attention)
     if a.engine == "odc":
         import torch_odc_backend.verl  # noqa: F401  (registers the odc engines for verl's platform)
+    if shim is not None and a.offload:
+        # on the CPU an offload moves nothing: the shim's engines give the parameters and the
+        # optimizer state new storage in every move instead, as a GPU offload does
+        shim.register_storage_moving_engines(odc=a.engine == "odc")
+        os.environ["VERL_ENGINE_VENDOR"] = shim.MOVES_STORAGE
     import verl
     from hydra import compose, initialize_config_dir
     from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -265,11 +299,11 @@ def worker(a) -> int:
     with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
                                version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=overrides(a, work))
+    # what the checkpoint lacks (the critic's value head ``score``, LoRA's A matrices) is
+    # initialised from torch's global random state, which verl leaves unseeded (it differs
+    # between runs); seeded, both runs start from the same model
+    torch.manual_seed(a.seed)
     if a.role == "critic":
-        # the value head (``score``) is new: the model initialises it from torch's global random
-        # state, which verl leaves unseeded (it differs between runs); seeded, both runs start
-        # from the same critic
-        torch.manual_seed(a.seed)
         trainer = build_critic(cfg)
         update, model_config = trainer.train_mini_batch, trainer.model_config
     else:
@@ -292,14 +326,14 @@ def worker(a) -> int:
         out = update(data)
         dist.barrier()
         dt = time.perf_counter() - t0
-        if rank == 0:
+        if dist.get_rank() == 0:
             from verl.utils import tensordict_utils as tu
 
             m = tu.get(out, "metrics")
-            steps.append({"step": step, "update_s": dt, "tokens": tokens,
+            steps.append({"step": step, "update_s": dt, "tokens": tokens, "engine": type(trainer.engine).__name__,
                           "metrics": {k: _plain(v) for k, v in m.items()}})
             print(f"step {step}: loss {m['loss']} grad_norm {m['grad_norm']} {dt:.2f}s", flush=True)
-    if rank == 0:
+    if dist.get_rank() == 0:
         Path(a.out).write_text(json.dumps(steps, indent=1))
     dist.destroy_process_group()
     return 0
@@ -327,7 +361,9 @@ def run_engine(a, work: Path, name: str) -> dict:
     if a.device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
         env["VERL_PLATFORM"] = "cpu"
-    args = ["worker", "--engine", name, "--out", str(out)]
+    if name == "odc_dynamic":  # ranks (SP groups) claim microbatches as they become free
+        env["ODC_VERL_BALANCE"] = "dynamic"
+    args = ["worker", "--engine", "stock" if name == "stock" else "odc", "--out", str(out)]
     for k, v in vars(a).items():
         if k not in ("cmd", "engines", "rtol", "timeout", "warmup", "nproc") and v is not None:
             if isinstance(v, bool):
@@ -345,21 +381,22 @@ def run_engine(a, work: Path, name: str) -> dict:
     timed = [s for s in steps if s["step"] >= a.warmup]
     run = {"losses": [x for s in steps for x in _list(s["metrics"]["loss"])],
            "grad_norms": [x for s in steps for x in _list(s["metrics"]["grad_norm"])],
-           "microbatches_per_rank": [c for s in steps for c in _per_rank(s["metrics"].get("odc/microbatches"), a.nproc)
+           "microbatches_per_rank": [c for s in steps for c in _per_rank(s["metrics"].get("odc/microbatches"), a.nproc // a.sp)
                                      or [None] * len(_list(s["metrics"]["loss"]))],
            "update_s": [s["update_s"] for s in steps], "tokens": [s["tokens"] for s in steps],
            "tokens_per_s": (sum(s["tokens"] for s in timed) / sum(s["update_s"] for s in timed)) if timed else None,
            **{key: [x for s in steps for x in _list(s["metrics"].get(metric))] for key, metric in ROLE_METRICS[a.role]},
-           "wall_s": time.time() - t0, "log": str(log)}
+           "engine_class": steps[0].get("engine") if steps else None, "wall_s": time.time() - t0, "log": str(log)}
     return dict(run, **read_odc_stats(stats))
 
 
-def _per_rank(counts, nproc: int) -> list:
+def _per_rank(counts, dp: int) -> list:
     """odc's per-rank microbatch counts of a step, per optimizer step: verl flattens them into
-    one list (the ranks' counts of the first minibatch, then of the second, ...)."""
+    one list (the data-parallel ranks' counts of the first minibatch, then of the second, ...;
+    with sequence parallelism one per SP group)."""
     if counts is None:
         return []
-    return [counts[i:i + nproc] for i in range(0, len(counts), nproc)]
+    return [counts[i:i + dp] for i in range(0, len(counts), dp)]
 
 
 def _list(v):
@@ -386,9 +423,15 @@ def compare(a) -> int:
         if stock["tokens_per_s"] and odc["tokens_per_s"]:
             result["summary"] = {"speedup_vs_stock": odc["tokens_per_s"] / stock["tokens_per_s"]}
         counts = [c for c in odc["microbatches_per_rank"] if c]
-        checks = engine_checks(result["compare"], odc, a.nproc, counts)
+        checks.update(engine_checks(result["compare"], odc, a.nproc, counts))
         checks[f"{'policy' if a.role == 'actor' else 'value'} losses equal"] = (
             result["compare"][own]["equal"], str(result["compare"][own]))
+        if "odc_dynamic" in runs:
+            dynamic = runs["odc_dynamic"]
+            for key in ("losses", "grad_norms"):
+                result["compare"][f"{key}_dynamic"] = close(dynamic[key], stock[key], a.rtol)
+                checks[f"dynamic balancing: {key.replace('_', ' ')} equal"] = (
+                    result["compare"][f"{key}_dynamic"]["equal"], str(result["compare"][f"{key}_dynamic"]))
     return finish(work / RESULTS[a.role], result, checks, runs)
 
 
@@ -413,12 +456,20 @@ def main(argv=None) -> int:
         q.add_argument("--loss-agg-mode", default="token-mean")
         q.add_argument("--balance-batch", action=argparse.BooleanOptionalAction, default=True,
                        help="verl's trainer.balance_batch (its default: on)")
+        q.add_argument("--lora-rank", type=int, default=0, help="verl's model.lora_rank (0: no LoRA)")
+        q.add_argument("--lora-alpha", type=int, default=0, help="verl's model.lora_alpha (0: the rank)")
+        q.add_argument("--sp", type=int, default=1, help="verl's ulysses_sequence_parallel_size")
+        q.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
+                       help="verl's param_offload and optimizer_offload")
+        q.add_argument("--use-no-sync", action=argparse.BooleanOptionalAction, default=None,
+                       help="verl's use_no_sync_for_gradient_accumulation (unset: verl's default)")
         q.add_argument("--lr", type=float, default=1e-4)
         q.add_argument("--seed", type=int, default=1)
         q.add_argument("--entry", default=None,
                        help="on CPU: the shim that registers verl's CPU platform (tests/integrations/verl_cpu_shim/sft_cpu.py)")
     c.add_argument("--nproc", type=int, default=2)
-    c.add_argument("--engines", default="stock,odc", help="runs: stock (verl's engine), odc")
+    c.add_argument("--engines", default="stock,odc",
+                   help="runs: stock (verl's engine), odc (LB-Mini), odc_dynamic (ODC_VERL_BALANCE=dynamic)")
     c.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
     c.add_argument("--rtol", type=float, default=1e-5)
     c.add_argument("--timeout", type=float, default=1800)

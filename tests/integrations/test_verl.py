@@ -120,6 +120,17 @@ for raw in ("", "none", "actor,reference", "actor,policy"):
         out["roles:" + raw] = sorted(verl_roles())
     except ValueError as e:
         out["roles:" + raw] = str(e)
+from types import SimpleNamespace
+from torch_odc_backend.verl.engine import _OdcEngine
+for what, strategy, balance, ndim in (("fsdp1", "fsdp", "lb_mini", 1), ("dynamic_hsdp", "fsdp2", "dynamic", 2),
+                                      ("fine", "fsdp2", "dynamic", 1)):
+    engine = SimpleNamespace(engine_config=SimpleNamespace(strategy=strategy), odc_role="actor",
+                             odc_balance=balance, device_mesh=SimpleNamespace(ndim=ndim))
+    try:
+        _OdcEngine._refuse_unsupported(engine)
+        out["refuse:" + what] = None
+    except ValueError as e:
+        out["refuse:" + what] = str(e)
 print(json.dumps(out))
 """
 
@@ -139,6 +150,11 @@ def test_engine_input_checks():
     assert out["filled"][2] == {"clip": ["mean", 0.30000000000000004], "lo": ["min", -3.0], "pg_loss": ["sum", 0.0]}
     assert out["filled"][0]["pg_loss"] == ["sum", 1.5] and out["filled"][1]["lo"] == ["min", -3.0]
     assert "ODC_VERL_BALANCE" in out["balance:greedy"] and "greedy" in out["balance:greedy"]
+    # what the engine cannot run with: named, with the way out
+    assert "engine.strategy=fsdp:" in out["refuse:fsdp1"] and "set engine.strategy=fsdp2" in out["refuse:fsdp1"]
+    assert "ODC_VERL_ROLES" in out["refuse:fsdp1"]
+    assert "ODC_VERL_BALANCE=dynamic" in out["refuse:dynamic_hsdp"] and "fsdp_size" in out["refuse:dynamic_hsdp"]
+    assert out["refuse:fine"] is None
 
 
 EXCHANGE = r"""

@@ -18,6 +18,10 @@ things, for the roles ``ODC_VERL_ROLES`` names (actor and critic unless set; ``n
 * the model runs in decoupled mode (:func:`torch_odc_backend.decouple`): no rank waits for
   another between two optimizer steps; ``odc.sync`` runs before verl clips the gradients.
 
+With Ulysses sequence parallelism the minibatch is balanced over the SP groups (an SP group's
+ranks train the same microbatches, in the same order); LoRA and parameter / optimizer offload
+run as in verl's engine.
+
 Details, limits and measurements: docs/trainers.md (verl).
 """
 from __future__ import annotations

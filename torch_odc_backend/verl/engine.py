@@ -1,9 +1,11 @@
 """verl's FSDP2 engines on odc groups, in decoupled mode with LB-Mini microbatches.
 
-Subclasses of verl's ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` that override four
+Subclasses of verl's ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` that override five
 of their methods and nothing else of verl: ``_init_device_mesh`` (odc groups),
 ``_build_fsdp_module`` (registered memory on GPUs), ``forward_backward_batch`` (this rank's
-LB-Mini share of the minibatch, decoupled) and ``optimizer_step`` (``odc.sync`` first).
+LB-Mini share of the minibatch, decoupled; with Ulysses SP its SP group's share),
+``optimizer_step`` (``odc.sync`` first) and ``to`` (verl's offload and load: odc follows the
+parameters' moves).
 """
 from __future__ import annotations
 
@@ -37,27 +39,34 @@ class _OdcEngine:
         self._odc_unsynced = False
         self._odc_cost = None  # LB-Mini's cost model, from the model's config at first use
         self._odc_balancer = None  # ODC_VERL_BALANCE=dynamic: made at the first minibatch
+        self._odc_sp_leaders = None  # dynamic balancing with Ulysses SP: the SP groups' first ranks
         if self.odc_enabled:
             self.odc_balance = verl_balance()
             self._refuse_unsupported()
             self.device_mesh = odc_mesh_like(self.device_mesh)
+            if self.odc_balance == "dynamic" and self.ulysses_sequence_parallel_size > 1:
+                # one rank per SP group claims microbatches (the SP groups share the minibatch);
+                # made here, where every rank makes its groups in the same order
+                leaders = self.ulysses_device_mesh.mesh[:, 0].tolist()
+                self._odc_sp_leaders = (leaders, dist.new_group(
+                    ranks=leaders, backend=f"{self.device_mesh.device_type}:odc"))
 
     def _refuse_unsupported(self) -> None:
+        """A ValueError naming each setting the odc engine cannot run with, and the way out."""
         cfg = self.engine_config
+        way_out = f"or set ODC_VERL_ROLES to leave the {self.odc_role} on verl's engine (docs/trainers.md)"
         unsupported = {
-            "strategy other than fsdp2": cfg.strategy != "fsdp2",
-            "ulysses_sequence_parallel_size > 1": self.ulysses_sequence_parallel_size > 1,
-            "param_offload": bool(cfg.param_offload),
-            "optimizer_offload": bool(cfg.optimizer_offload),
-            "LoRA (model.lora_rank > 0)": self.model_config.lora_rank > 0,
-            "ODC_VERL_BALANCE=dynamic on a 2-D (HSDP) mesh": (self.odc_balance == "dynamic"
-                                                               and self.device_mesh.ndim > 1),
+            f"engine.strategy={cfg.strategy}: odc serves FSDP2 only; set engine.strategy=fsdp2 "
+            f"(actor_rollout_ref.actor.strategy / critic.strategy in verl's PPO trainer) {way_out}":
+                cfg.strategy != "fsdp2",
+            "ODC_VERL_BALANCE=dynamic with engine.fsdp_size below the data-parallel size (HSDP): "
+            "dynamic balancing needs a 1-D mesh; unset ODC_VERL_BALANCE (LB-Mini balances HSDP), "
+            f"set engine.fsdp_size=-1, {way_out}":
+                self.odc_balance == "dynamic" and self.device_mesh.ndim > 1,
         }
         found = [what for what, on in unsupported.items() if on]
         if found:
-            raise ValueError(f"torch_odc_backend.verl ({self.odc_role}): not supported with "
-                             f"{', '.join(found)}; set ODC_VERL_ROLES to leave the {self.odc_role} "
-                             "on verl's engine (docs/trainers.md)")
+            raise ValueError(f"torch_odc_backend.verl ({self.odc_role}): not supported: " + "; ".join(found))
 
     def _build_fsdp_module(self, module):
         module = super()._build_fsdp_module(module)
@@ -74,7 +83,10 @@ class _OdcEngine:
         if tu.get_non_tensor_data(data=data, key="return_model_output", default=False):
             raise ValueError("torch_odc_backend.verl: return_model_output is not supported (a rank "
                              "trains other ranks' samples: their outputs are not its own)")
-        tu.assign_non_tensor(data, sp_size=1)
+        # Ulysses SP: the ranks of an SP group hold the same samples and train the same
+        # microbatches in the same order (their all-to-alls stay on verl's SP group); the
+        # data-parallel group, over which the minibatch is balanced, has one rank per SP group
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         # the loss is normalised by the minibatch's tokens over every rank, as verl does
         tokens = data["loss_mask"].sum().to(get_device_id())
         dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
@@ -114,12 +126,21 @@ class _OdcEngine:
             return prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=False)[0]
         if self._odc_cost is None:
             self._odc_cost = TransformerCost.from_hf_config(self.model_config.hf_config)
-        how = dict(max_tokens=int(data["max_token_len_per_gpu"]), cost=self._odc_cost,
+        # an SP group's microbatch holds max_token_len_per_gpu tokens per rank, as in verl
+        sp = self.ulysses_sequence_parallel_size
+        how = dict(max_tokens=int(data["max_token_len_per_gpu"]) * sp, cost=self._odc_cost,
                    group=self.get_data_parallel_group())
         if self.odc_balance == "dynamic":
-            if self._odc_balancer is None:  # claims through the odc group's store
-                self._odc_balancer = DynamicBalancer(self.device_mesh.get_group(), name=f"verl_{self.odc_role}")
-            return claimed_microbatches(data, balancer=self._odc_balancer, **how)
+            if self._odc_sp_leaders is None:
+                if self._odc_balancer is None:  # claims through the odc group's store
+                    self._odc_balancer = DynamicBalancer(self.device_mesh.get_group(), name=f"verl_{self.odc_role}")
+                return claimed_microbatches(data, balancer=self._odc_balancer, **how)
+            leaders, group = self._odc_sp_leaders
+            leader = leaders[self.get_data_parallel_rank()]
+            if self._odc_balancer is None and dist.get_rank() == leader:
+                self._odc_balancer = DynamicBalancer(group, name=f"verl_{self.odc_role}")
+            return claimed_microbatches(data, balancer=self._odc_balancer, sp_group=self.ulysses_parallel_group,
+                                        sp_leader=leader, **how)
         return share_of_minibatch(data, **how)
 
     def optimizer_step(self):
@@ -127,6 +148,40 @@ class _OdcEngine:
             odc.sync(self.module)
             self._odc_unsynced = False
         return super().optimizer_step()
+
+    def to(self, device, model=True, optimizer=True, grad=True):
+        """verl's offload and load between phases (``param_offload`` / ``optimizer_offload``, and
+        any other call): odc lets go of the parameters' local shards before they move, and binds
+        the moved ones after. It then holds no reference to storage verl offloaded (which would
+        keep it on the GPU) and never compares against, or reads, storage a move left behind.
+        What peers read meanwhile are the copies published in odc's arena after the last
+        optimizer step, which a move does not change."""
+        moving = model and self.odc_enabled and self._odc_decoupled
+        if moving:
+            _release_local_shards(self.module)
+        try:
+            super().to(device, model=model, optimizer=optimizer, grad=grad)
+        finally:
+            if moving:
+                _bind_local_shards(self.module)
+
+
+def _release_local_shards(module) -> None:
+    """Drop decoupled mode's references to the local shards of ``module``'s parameters (kept to
+    detect changes after a publish)."""
+    from ..decoupled import _state_of
+
+    for group in _state_of(module).groups:
+        group.published = None
+
+
+def _bind_local_shards(module) -> None:
+    """After the parameters moved (same values, new storage): the moved local shards are the
+    published ones (the next minibatch's check compares against them)."""
+    from ..decoupled import _state_of
+
+    for group in _state_of(module).groups:
+        group.record_published()
 
 
 def _one_value_per_rank(metrics: dict, group) -> None:

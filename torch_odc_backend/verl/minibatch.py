@@ -127,10 +127,30 @@ def _all_to_all_objects(outgoing: list, group) -> list:
     return out
 
 
-def claimed_microbatches(data, *, balancer, max_tokens: int, cost: CostModel, group):
+def claimed_microbatches(data, *, balancer, max_tokens: int, cost: CostModel, group, sp_group=None,
+                         sp_leader: int | None = None):
     """Dynamic balancing: this rank's microbatches as it claims them from ``balancer``
     (:class:`torch_odc_backend.balance.DynamicBalancer`) while it trains; a rank that is free
-    takes work another has not started. Gathers the minibatch like :func:`share_of_minibatch`."""
+    takes work another has not started. Gathers the minibatch like :func:`share_of_minibatch`.
+
+    With sequence parallelism the ranks of one SP group (``sp_group``) train the same
+    microbatches: only its leader (global rank ``sp_leader``, holding ``balancer``; the others
+    pass None) claims, over the SP groups, and hands each claim to its SP peers (a broadcast
+    over ``sp_group``), then the end of its claims."""
     everyone, counts, flat = gather_minibatch(data, group)
-    for indices in balancer.minibatch(flat, max_tokens, cost):
-        yield microbatch_of(everyone, counts, indices)
+    if sp_group is None:
+        for indices in balancer.minibatch(flat, max_tokens, cost):
+            yield microbatch_of(everyone, counts, indices)
+        return
+    if balancer is not None:  # the SP group's leader
+        for indices in balancer.minibatch(flat, max_tokens, cost):
+            dist.broadcast_object_list([list(indices)], src=sp_leader, group=sp_group)
+            yield microbatch_of(everyone, counts, indices)
+        dist.broadcast_object_list([None], src=sp_leader, group=sp_group)
+        return
+    while True:
+        claim = [None]
+        dist.broadcast_object_list(claim, src=sp_leader, group=sp_group)
+        if claim[0] is None:
+            return
+        yield microbatch_of(everyone, counts, claim[0])

@@ -155,6 +155,101 @@ def register_verl_engines() -> None:
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
 
 
+ULYSSES_ATTENTION = "cpu_ulysses"  # attn_implementation of the CPU runs with sequence parallelism
+
+
+def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      position_ids=None, **kwargs):
+    """verl's Ulysses attention (``_ulysses_flash_attention_forward``) with PyTorch's SDPA, one
+    call per packed sequence, in place of flash-attn's variable-length kernel. verl puts its
+    all-to-alls into transformers' flash-attention path, which loads flash-attn on GPUs only;
+    this does what verl's function does around that kernel, with verl's own all-to-alls: from
+    (1, tokens / sp, heads) to (1, tokens, heads / sp) before attending, back after.
+    ``query`` (1, heads, tokens / sp, dim), ``key``/``value`` (1, kv heads, tokens / sp, dim)."""
+    import torch.distributed as dist
+    from verl.utils.ulysses import (gather_heads_scatter_seq, gather_seq_scatter_heads,
+                                    get_ulysses_sequence_parallel_group,
+                                    get_ulysses_sequence_parallel_world_size)
+
+    if query.shape[0] != 1 or position_ids is None:
+        raise ValueError(f"{ULYSSES_ATTENTION}: expects one packed row with position_ids (use_remove_padding=True)")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (1, tokens / sp, heads, dim)
+    sp = get_ulysses_sequence_parallel_world_size()
+    if sp > 1:
+        repeats = max(sp // k.size(2), 1)  # kv heads repeated up to the SP size, as verl does
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+        q, k, v = (gather_seq_scatter_heads(t, seq_dim=1, head_dim=2) for t in (q, k, v))
+        parts = [torch.empty_like(position_ids) for _ in range(sp)]
+        dist.all_gather(parts, position_ids.contiguous(), group=get_ulysses_sequence_parallel_group())
+        position_ids = torch.cat(parts, dim=-1)
+    starts = torch.nonzero(position_ids.reshape(-1) == 0).flatten().tolist() + [q.shape[1]]
+    groups = q.shape[2] // k.shape[2]
+    out = torch.empty_like(q)
+    for a, b in zip(starts[:-1], starts[1:]):
+        qs, ks, vs = (t[0, a:b].transpose(0, 1) for t in (q, k, v))  # (heads, length, dim)
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=0), vs.repeat_interleave(groups, dim=0)
+        out[0, a:b] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scaling).transpose(0, 1)
+    if sp > 1:
+        out = gather_heads_scatter_seq(out, seq_dim=1, head_dim=2)
+    return out, None
+
+
+def register_ulysses_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention)
+    AttentionMaskInterface.register(ULYSSES_ATTENTION, lambda *args, **kwargs: None)
+
+
+register_ulysses_attention()
+
+
+class MovesStorage:
+    """What an offload does on a GPU, on the CPU (a mixin, before verl's FSDP engine in the
+    bases). verl's ``to("cpu")`` and ``to(<device>)`` move nothing when the device is the CPU,
+    so that parameter and optimizer offload would be no-ops here; with this mixin every
+    ``to(..., model=True)`` also gives each parameter (and buffer) new storage holding the same
+    values, as a round trip to another device does (``Module._apply``, which ``Module.to``
+    runs), and ``optimizer=True`` each optimizer state tensor."""
+
+    def to(self, device, model=True, optimizer=True, grad=True):
+        super().to(device, model=model, optimizer=optimizer, grad=grad)
+        if self.engine_config.forward_only:
+            return
+        with torch.no_grad():
+            if model:
+                self.module._apply(lambda t: t.clone())
+            if optimizer and self.optimizer is not None:
+                for state in self.optimizer.state.values():
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor):
+                            state[key] = value.clone()
+
+
+MOVES_STORAGE = "moves_storage"  # the vendor name of the engines below (VERL_ENGINE_VENDOR)
+
+
+def register_storage_moving_engines(odc: bool) -> None:
+    """verl's FSDP engines (``odc``: odc's) with :class:`MovesStorage`, for the CPU platform
+    under the vendor ``moves_storage``: runs with ``VERL_ENGINE_VENDOR=moves_storage`` get them.
+    Call after ``import torch_odc_backend.verl`` for odc's."""
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    for model_type, base in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        bases = (MovesStorage, base)
+        if odc:
+            from torch_odc_backend.verl.engine import _OdcEngine
+
+            bases = (_OdcEngine, *bases)
+        engine = type(f"StorageMoving{'Odc' if odc else ''}{base.__name__}", bases, {})
+        EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu",
+                                vendor=MOVES_STORAGE)(engine)
+
+
 def main() -> None:
     import hydra
     import torch.distributed as dist

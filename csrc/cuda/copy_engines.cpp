@@ -45,7 +45,7 @@ Transport::EngineUse CopyEngines::run(StepRecording& r, const OpEnv& env, EventP
     check(cudaEventRecord(start, env.stream), "recording an event");
   }
   if (!one_lane) lanes_.record_fork();
-  Issue op{r, env, std::vector<bool>(world_, false), 0, {}};
+  Issue op{r, env, std::vector<bool>(world_, false), 0, {}, {}};
   size_t next_puts = 0;
   for (size_t i = 0; i < r.size(); ++i) {
     if (r.steps()[i].guarded) {  // a run of puts: one graph on the op stream
@@ -89,9 +89,9 @@ void CopyEngines::issue_step(Issue& op, const Step& s) {
     case kStepStore: {
       const WordRange w = s.as<SignalStep>() ? s.as<SignalStep>()->counters : s.as<StoreStep>()->words;
       const uint64_t value = s.as<SignalStep>() ? s.as<SignalStep>()->value : s.as<StoreStep>()->value;
-      std::vector<uint64_t*> flags;
-      for (int i = 0; i < w.n; ++i) flags.push_back(op.r.counter(w.first + i));
-      issue_signal(op, lane, flags, value, /*payload=*/s.kind() == kStepStore);
+      op.words.clear();
+      for (int i = 0; i < w.n; ++i) op.words.push_back(op.r.counter(w.first + i));
+      issue_signal(op, lane, op.words, value, /*payload=*/s.kind() == kStepStore);
       break;
     }
     case kStepCopy:

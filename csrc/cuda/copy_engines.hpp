@@ -36,6 +36,7 @@ class CopyEngines {
     std::vector<bool> flagged;         // lanes that ran a flag kernel
     int reduce_blocks = 0;             // its largest reduction's grid
     std::vector<WatchedWait> waits;    // its stream waits, for the watchdog
+    std::vector<uint64_t*> words;      // scratch: a signal step's counters
   };
   void issue_step(Issue& op, const Step& s);
   void launch_flags(Issue& op, int lane, const WaitStep* wait);

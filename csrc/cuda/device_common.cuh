@@ -50,7 +50,7 @@ __device__ void record_error(DeviceError* err_ptr, int code, int peer, unsigned 
                              unsigned long long theirs, unsigned long long target,
                              unsigned long long seen, unsigned long long announced) {
   volatile DeviceError* err = err_ptr;
-  if (err->code != 0) return;
+  if (err->code != 0 || atomicCAS(err_ptr->claim, 0, 1) != 0) return;
   err->peer = peer;
   err->op_seq = op_seq;
   err->mine = mine;

@@ -11,6 +11,9 @@ DeviceErrorRecord::DeviceErrorRecord(const TransportArgs& a, const std::vector<c
   check(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(DeviceError), cudaHostAllocMapped),
         "allocating the error record");
   std::memset(host_, 0, sizeof(DeviceError));
+  check(cudaMalloc(reinterpret_cast<void**>(&claim_), sizeof(int)), "allocating the error record");
+  check(cudaMemset(claim_, 0, sizeof(int)), "zeroing the error record");
+  host_->claim = claim_;
   for (int p = 0; p < a.world; ++p) {  // where a failure is told to the peers
     if (p != a.rank && !memory.routed(bases[p])) {
       host_->notify[host_->n_notify++] =
@@ -23,6 +26,7 @@ DeviceErrorRecord::DeviceErrorRecord(const TransportArgs& a, const std::vector<c
 
 DeviceErrorRecord::~DeviceErrorRecord() {
   if (host_) (void)cudaFreeHost(host_);
+  if (claim_) (void)cudaFree(claim_);
 }
 
 std::string DeviceErrorRecord::text(int rank, std::chrono::milliseconds timeout) const {

@@ -29,6 +29,7 @@ class DeviceErrorRecord {
  private:
   DeviceError* host_ = nullptr;
   DeviceError* dev_ = nullptr;
+  int* claim_ = nullptr;  // DeviceError::claim
 };
 
 }  // namespace odc

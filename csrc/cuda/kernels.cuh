@@ -34,6 +34,10 @@ struct DeviceError {
   // the collective's announcement, marked given up, there (stopped_word).
   uint64_t* notify[kMaxPeers];
   int n_notify;
+  // In device memory: claimed (atomically, 0 -> 1) by the first of the GPU's failing waits to
+  // record, so that two failing at once (blocks of one lane, lanes of one kernel) never mix
+  // their fields under one code.
+  int* claim;
 };
 
 constexpr int kSignalBatches = 4;  // e.g. the announcement, descriptors, chunk numbers, the data counters

@@ -104,7 +104,10 @@ def overrides(a, work: Path, name: str) -> list[str]:
     engine = name.removesuffix("_straggler")
     """verl's Hydra overrides of one run (the same for both engines but the output places)."""
     cpu = a.device == "cpu"
-    attention = "sdpa" if cpu else "odc_varlen"  # verl_varlen_attention.py: no flash-attn needed
+    # GPUs: PyTorch's variable-length flash attention (verl_varlen_attention.py: no flash-attn
+    # needed), or with sequence parallelism flash-attn's, where verl puts its Ulysses
+    # all-to-alls; CPU: SDPA, or with sequence parallelism the CPU shim's Ulysses attention
+    attention = ("cpu_ulysses" if a.sp > 1 else "sdpa") if cpu else ("flash_attention_2" if a.sp > 1 else "odc_varlen")
     o = [f"model.path={work / 'model'}", f"+model.override_config.attn_implementation={attention}",
          "model.use_remove_padding=True", f"model.enable_gradient_checkpointing={not cpu}",
          "engine=fsdp", "engine.strategy=fsdp2", "engine.use_torch_compile=False",
@@ -120,6 +123,16 @@ def overrides(a, work: Path, name: str) -> list[str]:
          f"hydra.run.dir={work / ('hydra_' + name)}",  # Hydra's own output folder: not the cwd
          "checkpoint.save_contents=[]",  # verl saves at the last step: not the model and optimizer
          f"engine.fsdp_size={a.fsdp_size}"]
+    if a.lora_rank:
+        # LoRA's A matrices are initialised from torch's global random state, which verl's SFT
+        # trainer leaves unseeded (it differs between runs); verl's full_determinism seeds it
+        # (engine.seed) before the model is built, so both runs start from the same adapters
+        o += [f"model.lora_rank={a.lora_rank}", f"model.lora_alpha={a.lora_alpha or a.lora_rank}",
+              "model.target_modules=all-linear", "engine.full_determinism=True", f"engine.seed={a.seed}"]
+    if a.sp > 1:
+        o.append(f"engine.ulysses_sequence_parallel_size={a.sp}")
+    if a.offload:
+        o += ["engine.param_offload=True", "engine.optimizer_offload=True"]
     if cpu:  # fp32 throughout: the comparison is then reassociation alone
         o += ["engine.model_dtype=fp32", "+engine.mixed_precision.param_dtype=fp32",
               "+engine.mixed_precision.reduce_dtype=fp32", "+engine.mixed_precision.buffer_dtype=fp32"]
@@ -363,6 +376,10 @@ def main(argv=None) -> int:
     c.add_argument("--rows", type=int, default=256, help="conversations in the data set")
     c.add_argument("--max-words", type=int, default=200, help="the longest answer, in words")
     c.add_argument("--max-tokens", type=int, default=512, help="verl's max_token_len_per_gpu (and max_length)")
+    c.add_argument("--lora-rank", type=int, default=0, help="verl's model.lora_rank (0: no LoRA)")
+    c.add_argument("--lora-alpha", type=int, default=0, help="verl's model.lora_alpha (0: the rank)")
+    c.add_argument("--sp", type=int, default=1, help="verl's engine.ulysses_sequence_parallel_size")
+    c.add_argument("--offload", action="store_true", help="verl's engine.param_offload and optimizer_offload")
     c.add_argument("--fsdp-size", type=int, default=-1,
                    help="verl's engine.fsdp_size: ranks per shard group (HSDP below --nproc; -1: all)")
     c.add_argument("--lr", type=float, default=1e-3)

@@ -152,6 +152,9 @@ Channel& OdcBackend::channel(const c10::Device& device) {
                       "; use one device per process (torch.cuda.set_device)");
     return it->second;
   }
+  // The set-up allocates and opens IPC memory and synchronizes: never inside a CUDA graph's
+  // capture (the first call that reaches it may be any of the group's, e.g. across_hosts).
+  (void)current_stream(device, "a group's first operation");
   Channel ch = make_channel(device, *options_, timeout_ms_, store_, getRank(), getSize());
   return channels_.emplace(device.type(), std::move(ch)).first->second;
 }
@@ -170,7 +173,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::launch(const c10::Device& device, boo
   settle_default_backend_type();
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
-  (void)current_stream(device, "a collective");  // refuses graph capture before any set-up
+  (void)current_stream(device, "a collective");  // refuses graph capture before anything is issued
   Channel& ch = channel(device);
   ODC_CHECK(ch.transport, ValueError, cross_host_refusal(ch, *options_, c10d::opTypeToString(type)));
   {

@@ -1,8 +1,10 @@
 """The package's shape: no import cycle among its modules (counting the imports inside
-functions, which only postpone a cycle to the first call), and no module over 600 lines."""
+functions, which only postpone a cycle to the first call), no module or native file over 500
+lines, no native function over 80, and no comment naming a file that does not exist."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,30 +123,74 @@ CSRC = ROOT / "csrc"
 MAX_FUNCTION_LINES = 80
 
 
-def top_level_functions(text: str):
-    """(first line, line count, signature) of each function defined at the top level of a
-    C++/CUDA file (a line at column 0 with a parenthesis whose body opens with a brace)."""
-    lines = text.split("\n")
-    skip = (" ", "/", "#", "}", "namespace", "struct", "class", "template", "using",
-            "static_assert", "enum", "constexpr")
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line and not line.startswith(skip) and "(" in line:
-            j = i
-            while j < len(lines) and "{" not in lines[j] and not lines[j].rstrip().endswith(";"):
-                j += 1
-            if j < len(lines) and "{" in lines[j]:
-                depth, k = 0, j
-                while k < len(lines):
-                    depth += lines[k].count("{") - lines[k].count("}")
-                    if depth <= 0:
+def _code_only(text: str) -> str:
+    """The text with comments, string and character literals and preprocessor lines blanked
+    (newlines kept, so that offsets keep their line numbers)."""
+    out, i, n = [], 0, len(text)
+    blank = lambda chunk: "".join("\n" if c == "\n" else " " for c in chunk)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i) or (c == "#" and text[text.rfind("\n", 0, i) + 1:i].strip() == ""):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            while c == "#" and text[j - 1] == "\\" and j < n:  # a continued preprocessor line
+                j = text.find("\n", j + 1)
+                j = n if j < 0 else j
+            out.append(blank(text[i:j]))
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append(blank(text[i:j]))
+            i = j
+        elif c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            out.append(blank(text[i:j + 1]))
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+_CONTAINER = re.compile(r"\b(namespace|class|struct|union|enum)\b[^()]*$|^extern\s*$")
+_FUNCTION_HEAD = re.compile(r"\)\s*(const|override|final|noexcept|mutable|volatile|&&?|\s)*$"
+                            r"|\)\s*(const\s*)?(noexcept\s*)?->\s*[\w:<>,\s*&]+$"
+                            r"|\)\s*:\s*\w.*$", re.S)
+_ACCESS = re.compile(r"^\s*((public|private|protected)\s*:\s*)+")
+
+
+def functions(text: str):
+    """(first line, line count, signature) of each function defined in a C++/CUDA file: at the
+    top level, in namespaces, and inside classes and structs (member functions), measured from
+    the first line of its head to its closing brace. Bodies are not searched further (a lambda
+    or local class counts as part of its function)."""
+    code = _code_only(text)
+    found, head_start, i = [], 0, 0
+    while i < len(code):
+        c = code[i]
+        if c in ";}":
+            head_start = i + 1
+        elif c == "{":
+            head = _ACCESS.sub("", code[head_start:i]).strip()
+            if "(" in head and _FUNCTION_HEAD.search(head) and not _CONTAINER.search(head.split("(")[0]):
+                depth, k = 0, i
+                while k < len(code):
+                    depth += (code[k] == "{") - (code[k] == "}")
+                    if depth == 0:
                         break
                     k += 1
-                yield i + 1, k - i + 1, line.strip()
-                i = k + 1
+                first = head_start + len(code[head_start:i]) - len(code[head_start:i].lstrip())
+                access = _ACCESS.match(code[first:i])
+                first_line = code.count("\n", 0, first + (len(access.group(0)) if access else 0)) + 1
+                found.append((first_line, code.count("\n", 0, k) + 2 - first_line, " ".join(head.split())))
+                i = head_start = k + 1
                 continue
+            head_start = i + 1
         i += 1
+    return found
 
 
 def test_native_sources_are_short():
@@ -153,17 +199,41 @@ def test_native_sources_are_short():
                   if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long_files, f"files over {MAX_LINES} lines: {long_files}"
     long_functions = [f"{p.relative_to(ROOT)}:{first} ({n} lines) {sig[:60]}" for p in sources
-                      for first, n, sig in top_level_functions(p.read_text()) if n > MAX_FUNCTION_LINES]
+                      for first, n, sig in functions(p.read_text()) if n > MAX_FUNCTION_LINES]
     assert not long_functions, "functions over 80 lines:\n" + "\n".join(long_functions)
 
 
 def test_the_function_finder_measures_bodies():
     text = "int f(int a,\n      int b) {\n  if (a) {\n    return b;\n  }\n  return a;\n}\nint g();\n"
-    assert list(top_level_functions(text)) == [(1, 7, "int f(int a,")]
+    assert functions(text) == [(1, 7, "int f(int a, int b)")]
+
+
+def test_the_function_finder_measures_member_functions():
+    text = ("namespace odc {\n"
+            "class A : public B {\n"
+            " public:\n"
+            "  // a comment with a { brace\n"
+            "  A(int x) : x_(x) {\n"
+            "    if (x) { f(\"}\"); }\n"
+            "  }\n"
+            "  int get() const override { return x_; }\n"
+            "  struct Inner {\n"
+            "    int twice() const {\n"
+            "      auto g = [](int y) { return 2 * y; };\n"
+            "      return g(1);\n"
+            "    }\n"
+            "  };\n"
+            "  int x_ = 0;\n"
+            "  int v_[2] = {1, 2};\n"
+            "};\n"
+            "}  // namespace odc\n")
+    assert [(first, n) for first, n, _ in functions(text)] == [(5, 3), (8, 1), (10, 4)]
 
 
 def test_the_c10d_face_holds_no_device_code():
-    assert "#ifdef" not in (CSRC / "backend.cpp").read_text()
+    # device code goes through the device seam (device_work.hpp)
+    for name in ("backend.cpp", "collective_plan.cpp", "decoupled.cpp"):
+        assert "#if" not in (CSRC / name).read_text(), name
 
 
 def test_results_folder_stays_small():
@@ -210,3 +280,78 @@ def test_the_gpu_suite_parts_hold_every_gpu_test_file():
     assert len(listed) == len(set(listed)), f"a file in two parts: {listed}"
     assert set(listed) == gpu_files, (f"missing from the parts: {sorted(gpu_files - set(listed))}; "
                                       f"listed but no GPU tests: {sorted(set(listed) - gpu_files)}")
+
+
+_FILE_NAME = re.compile(r"(?<![\w/.-])([\w./-]*\w\.(?:cpp|hpp|cuh|cu|py|md|sh|toml|json))\b")
+
+
+def _comments(path: Path):
+    """(line, text) of each comment of a C++/CUDA file, or each ``#`` comment of a Python one."""
+    text = path.read_text()
+    if path.suffix == ".py":
+        for number, line in enumerate(text.split("\n"), 1):
+            if "#" in line and not line.lstrip().startswith(("'", '"')):
+                yield number, line[line.index("#"):]
+        return
+    for m in re.finditer(r"//[^\n]*|/\*.*?\*/", text, re.S):
+        yield text.count("\n", 0, m.start()) + 1, m.group(0)
+
+
+def names_missing(paths, root: Path):
+    """file:line and name of each file a comment names that is nowhere in the tree (resolved
+    beside the file, from the root, or as the end of some file's path)."""
+    tree = [str(p) for p in root.rglob("*") if p.is_file()
+            and not {".git", "build", ".venv", ".venv-verl"} & set(p.relative_to(root).parts)]
+    missing = []
+    for path in paths:
+        for line, comment in _comments(path):
+            for name in _FILE_NAME.findall(comment):
+                if (path.parent / name).exists() or (root / name).exists():
+                    continue
+                if not any(t.endswith("/" + name.lstrip("./")) for t in tree):
+                    missing.append(f"{path.relative_to(root)}:{line} {name}")
+    return missing
+
+
+def test_comments_name_only_files_that_exist():
+    paths = [p for p in CSRC.rglob("*") if p.suffix in (".cpp", ".hpp", ".cu", ".cuh")]
+    paths += sorted(PACKAGE_DIR.rglob("*.py"))
+    missing = names_missing(paths, ROOT)
+    assert not missing, "comments name files that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_comment_check_finds_a_missing_file(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "here.cpp").write_text("// see there.cpp and here.cpp\nint x;  // gone/kernels.cu\n")
+    (tmp_path / "src" / "a.py").write_text("x = 1  # beside here.cpp, not in moved.py\n")
+    assert names_missing(sorted((tmp_path / "src").iterdir()), tmp_path) == [
+        "src/a.py:1 moved.py", "src/here.cpp:1 there.cpp", "src/here.cpp:2 gone/kernels.cu"]
+
+
+def _class_body(text: str, name: str) -> str:
+    """The body of `class NAME ... {...};` in a header, comments and strings blanked."""
+    code = _code_only(text)
+    start = re.search(rf"\bclass {name}\b[^;{{]*{{", code).end()
+    depth, k = 1, start
+    while depth:
+        depth += (code[k] == "{") - (code[k] == "}")
+        k += 1
+    return code[start:k - 1]
+
+
+def test_the_transport_core_stays_narrow():
+    # The core every transport has; what only some can do is a capability interface beside it.
+    body = _class_body((CSRC / "transport.hpp").read_text(), "Transport")
+    virtuals = re.findall(r"\bvirtual\s+(?!~)[^;{]*?(\w+)\s*\(", body)
+    assert len(virtuals) <= 12, f"Transport declares {len(virtuals)} virtual methods: {virtuals}"
+
+
+def test_the_cuda_transport_is_a_coordinator():
+    # Its parts own their state (cuda/*.hpp); the transport itself keeps a few fields.
+    body = _class_body((CSRC / "cuda" / "cuda_transport.hpp").read_text(), "CudaTransport")
+    depth, flat = 0, []
+    for c in body:  # the class's own level: no nested struct's fields, no function bodies
+        depth += (c == "{") - (c == "}")
+        flat.append(c if depth == 0 and c != "}" else " ")
+    fields = re.findall(r"\b(\w+_)\s*(?:=[^;]*)?;", "".join(flat))
+    assert 0 < len(fields) <= 15, f"CudaTransport declares {len(fields)} fields: {fields}"

@@ -24,7 +24,7 @@ bool one_lane_carries_data(const StepRecording& r, const DeviceMemory& memory) {
 
 }  // namespace
 
-CopyEngines::CopyEngines(int world, const CudaTransportOptions& o, StreamMemops memops)
+CopyEngines::CopyEngines(int world, const Options& o, StreamMemops memops)
     : world_(world),
       reduce_blocks_(o.reduce_blocks),
       accumulate_blocks_(o.accumulate_blocks),

@@ -9,7 +9,6 @@
 
 #include <vector>
 
-#include "../cuda_setup.hpp"
 #include "event_pool.hpp"
 #include "lane_streams.hpp"
 #include "op_env.hpp"
@@ -21,7 +20,12 @@ namespace odc {
 
 class CopyEngines {
  public:
-  CopyEngines(int world, const CudaTransportOptions& o, StreamMemops memops);
+  struct Options {
+    int reduce_blocks;           // the most blocks of a reduction or located copy
+    int accumulate_blocks;       // each peer's put-accumulate kernel (decoupled mode)
+    bool peers_on_other_gpus;    // some peer's memory is across NVLink
+  };
+  CopyEngines(int world, const Options& o, StreamMemops memops);
 
   // Runs `r` on env.stream (its lanes merged where its data moves on one). The watchdog, where
   // the waits are stream memory operations, watches them from `events`' start to end.

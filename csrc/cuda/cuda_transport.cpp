@@ -48,7 +48,9 @@ CudaTransport::CudaTransport(const TransportArgs& args, const CudaTransportOptio
   errors_ = std::make_unique<DeviceErrorRecord>(a_, bases_, *memory_);
   StreamMemops memops;
   if (o.stream_memops) memops = StreamMemops::load(device_, a_.rank, bases_, *memory_);
-  copy_engines_ = std::make_unique<CopyEngines>(a_.world, o, memops);
+  copy_engines_ = std::make_unique<CopyEngines>(
+      a_.world, CopyEngines::Options{o.reduce_blocks, o.accumulate_blocks, o.peers_on_other_gpus},
+      memops);
   // No peer may signal into a window before its owner has zeroed it and every
   // peer has opened it.
   store_barrier(a_, "ipc_open");

@@ -150,17 +150,17 @@ class Protocol {
   // Put chunk g of mine into p's landing ring (waiting for the slot), with its descriptor.
   void put_chunk(int lane, int p, uint64_t g, const char* src, size_t len, uint64_t desc,
                  const char* op, uint64_t op_seq);
-  // Registered collectives on `ring` (0: all-gather, 1: reduce-scatter): "input ready" (with
+  // Registered collectives on `ring` (Ring::kAllGather or kReduceScatter): "input ready" (with
   // the descriptor and id) to every peer; on `lane`, wait for `peers`' "input ready"; tell
   // `peers` this rank is done reading them; wait (lane 0) until every peer is done.
-  void registered_ready(int ring, RegisteredId id, uint64_t desc);
-  void registered_wait_ready(int ring, int lane, const std::vector<int>& peers, RegisteredId id,
+  void registered_ready(Ring ring, RegisteredId id, uint64_t desc);
+  void registered_wait_ready(Ring ring, int lane, const std::vector<int>& peers, RegisteredId id,
                              uint64_t desc, const WaitSite& site);
   // The check of `peers`' "input ready": their descriptors against `desc`, with `id`.
-  DescCheck registered_check(int ring, const std::vector<int>& peers, RegisteredId id,
+  DescCheck registered_check(Ring ring, const std::vector<int>& peers, RegisteredId id,
                              uint64_t desc);
-  void registered_done(int ring, int lane, const std::vector<int>& peers, uint64_t number);
-  void registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
+  void registered_done(Ring ring, int lane, const std::vector<int>& peers, uint64_t number);
+  void registered_finish(Ring ring, const std::vector<int>& peers, uint64_t number,
                          const WaitSite& site);
   // A direct collective's rounds for `bytes` per peer (at least one). "ready" up to `ready`
   // (a registered number) to every peer, after the Location word and descriptor at the
@@ -168,8 +168,8 @@ class Protocol {
   // every round at the first; staged, once its readers are done with the last round (waited
   // at reads_site), `stage` issues this round's copies into its window, then "ready" for it.
   uint64_t direct_rounds(size_t bytes) const;
-  void direct_ready(int ring, uint64_t where, RegisteredId id, uint64_t desc, uint64_t ready);
-  void direct_round(int ring, uint64_t r, uint64_t rounds, uint64_t where, RegisteredId id,
+  void direct_ready(Ring ring, uint64_t where, RegisteredId id, uint64_t desc, uint64_t ready);
+  void direct_round(Ring ring, uint64_t r, uint64_t rounds, uint64_t where, RegisteredId id,
                     uint64_t desc, const WaitSite& reads_site, const std::function<void()>& stage);
 
   int rank_;
@@ -182,7 +182,10 @@ class Protocol {
   std::vector<uint64_t> rs_landed_;  // per peer: chunks it put into this rank's landing ring
   std::vector<int> others_;             // every rank but this one (made once: used per call)
   std::vector<std::vector<int>> only_;  // only_[p] = {p}
-  uint64_t registered_[2] = {0, 0};  // registered all-gathers and reduce-scatters issued
+  // registered (and direct) all-gathers and reduce-scatters issued, per Ring::kAllGather and
+  // Ring::kReduceScatter
+  uint64_t registered_[2] = {0, 0};
+  uint64_t& registered_count(Ring ring) { return registered_[ring_index(ring)]; }
   uint64_t collectives_ = 0;          // collectives begun on this channel
   bool unannounced_ = false;          // the one in progress has not announced itself yet
 };

@@ -12,48 +12,59 @@ namespace odc {
 // ---- Registered (zero-copy) collectives: the rank's input is read where it lies.
 
 namespace {
-constexpr WindowLayout::Flag kRegReady[2] = {WindowLayout::RegAgReady, WindowLayout::RegRsReady};
-constexpr WindowLayout::Flag kRegDone[2] = {WindowLayout::RegAgDone, WindowLayout::RegRsDone};
-constexpr WindowLayout::Desc kRegDesc[2] = {WindowLayout::RegAgDesc, WindowLayout::RegRsDesc};
-constexpr WindowLayout::Flag kRegWhere[2] = {WindowLayout::RegAgWhere, WindowLayout::RegRsWhere};
+// The window's words of a ring's registered and direct collectives (all-gathers or
+// reduce-scatters).
+struct RingWords {
+  WindowLayout::Flag ready, done, where;
+  WindowLayout::Desc desc;
+};
+RingWords words_of(Ring ring) {
+  return ring == Ring::kAllGather
+             ? RingWords{WindowLayout::RegAgReady, WindowLayout::RegAgDone, WindowLayout::RegAgWhere,
+                         WindowLayout::RegAgDesc}
+             : RingWords{WindowLayout::RegRsReady, WindowLayout::RegRsDone, WindowLayout::RegRsWhere,
+                         WindowLayout::RegRsDesc};
+}
+constexpr Ring kAg = Ring::kAllGather;
+constexpr Ring kRs = Ring::kReduceScatter;
 }  // namespace
 
-void Protocol::registered_ready(int ring, RegisteredId id, uint64_t desc) {
+void Protocol::registered_ready(Ring ring, RegisteredId id, uint64_t desc) {
   std::vector<uint64_t*> ready, descs;
   for (int p : others_) {
-    ready.push_back(flag_in(p, kRegReady[ring], rank_));
-    descs.push_back(desc_in(p, kRegDesc[ring], rank_, id.number - 1));
+    ready.push_back(flag_in(p, words_of(ring).ready, rank_));
+    descs.push_back(desc_in(p, words_of(ring).desc, rank_, id.number - 1));
   }
   if (desc) store_desc(0, descs, desc, id.encode());
   t_->signal(0, ready, id.number);
 }
 
-DescCheck Protocol::registered_check(int ring, const std::vector<int>& peers, RegisteredId id,
+DescCheck Protocol::registered_check(Ring ring, const std::vector<int>& peers, RegisteredId id,
                                     uint64_t desc) {
   DescCheck check{{}, desc, id.encode()};  // every peer's buffer lies where this rank's does
-  for (int p : peers) check.descs.push_back(desc_in(rank_, kRegDesc[ring], p, id.number - 1));
+  for (int p : peers) check.descs.push_back(desc_in(rank_, words_of(ring).desc, p, id.number - 1));
   return check;
 }
 
-void Protocol::registered_wait_ready(int ring, int lane, const std::vector<int>& peers,
+void Protocol::registered_wait_ready(Ring ring, int lane, const std::vector<int>& peers,
                                      RegisteredId id, uint64_t desc, const WaitSite& site) {
   std::vector<const uint64_t*> ready;
-  for (int p : peers) ready.push_back(flag_in(rank_, kRegReady[ring], p));
+  for (int p : peers) ready.push_back(flag_in(rank_, words_of(ring).ready, p));
   const DescCheck check = registered_check(ring, peers, id, desc);
   t_->wait(lane, ready, peers, id.number, site, desc ? &check : nullptr);
 }
 
-void Protocol::registered_done(int ring, int lane, const std::vector<int>& peers,
+void Protocol::registered_done(Ring ring, int lane, const std::vector<int>& peers,
                                uint64_t number) {
   std::vector<uint64_t*> at;
-  for (int p : peers) at.push_back(flag_in(p, kRegDone[ring], rank_));
+  for (int p : peers) at.push_back(flag_in(p, words_of(ring).done, rank_));
   t_->signal(lane, at, number);
 }
 
-void Protocol::registered_finish(int ring, const std::vector<int>& peers, uint64_t number,
+void Protocol::registered_finish(Ring ring, const std::vector<int>& peers, uint64_t number,
                                  const WaitSite& site) {
   std::vector<const uint64_t*> done;
-  for (int p : peers) done.push_back(flag_in(rank_, kRegDone[ring], p));
+  for (int p : peers) done.push_back(flag_in(rank_, words_of(ring).done, p));
   t_->wait(0, done, peers, number, site);
 }
 
@@ -64,18 +75,18 @@ void Protocol::all_gather_registered(void* out, const std::vector<const char*>& 
   char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
   announce(desc);
   if (world_ > 1) {
-    id.number = ++registered_[0];
-    registered_ready(0, id, desc);
+    id.number = ++registered_count(kAg);
+    registered_ready(kAg, id, desc);
     for (int i = 1; i < world_; ++i) {  // each peer on its lane
       const int p = (rank_ + i) % world_;
-      registered_wait_ready(0, i, only_[p], id, desc, {"all_gather", "the input of", op_seq});
+      registered_wait_ready(kAg, i, only_[p], id, desc, {"all_gather", "the input of", op_seq});
       if (shard_bytes) t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes, in_at[p], shard_bytes);
-      registered_done(0, i, only_[p], id.number);
+      registered_done(kAg, i, only_[p], id.number);
     }
   }
   if (my_part != in_at[rank_] && shard_bytes) t_->copy(0, my_part, in_at[rank_], shard_bytes);
   if (world_ > 1) {
-    registered_finish(0, others_, id.number, {"all_gather", "the reads of this rank's input by", op_seq});
+    registered_finish(kAg, others_, id.number, {"all_gather", "the reads of this rank's input by", op_seq});
   }
 }
 
@@ -86,20 +97,20 @@ void Protocol::all_gather_pushed(void* out, const void* in, const std::vector<co
   char* my_part = static_cast<char*>(out) + mine;
   announce(desc);
   if (world_ > 1) {
-    id.number = ++registered_[0];
-    registered_ready(0, id, desc);
+    id.number = ++registered_count(kAg);
+    registered_ready(kAg, id, desc);
     for (int i = 1; i < world_; ++i) {  // each peer on its lane: this rank's shard into its output
       const int p = (rank_ + i) % world_;
-      const DescCheck check = registered_check(0, only_[p], id, desc);
-      t_->put_after(i, flag_in(rank_, kRegReady[0], p), p, id.number,
+      const DescCheck check = registered_check(kAg, only_[p], id, desc);
+      t_->put_after(i, flag_in(rank_, words_of(kAg).ready, p), p, id.number,
                     {"all_gather", "the output of", op_seq}, desc ? &check : nullptr,
                     const_cast<char*>(out_at[p]) + mine, in, shard_bytes,
-                    flag_in(p, kRegDone[0], rank_));
+                    flag_in(p, words_of(kAg).done, rank_));
     }
   }
   if (my_part != in && shard_bytes) t_->copy(0, my_part, in, shard_bytes);
   if (world_ > 1) {
-    registered_finish(0, others_, id.number,
+    registered_finish(kAg, others_, id.number,
                       {"all_gather", "the shard pushed into this rank's output by", op_seq});
   }
 }
@@ -112,9 +123,9 @@ void Protocol::reduce_scatter_registered(void* out, const std::vector<const char
   const size_t part_bytes = out_numel * elem_size;
   const std::vector<int>& peers = others_;
   if (world_ > 1) {
-    id.number = ++registered_[1];
-    registered_ready(1, id, desc);
-    registered_wait_ready(1, 0, peers, id, desc, {"reduce_scatter", "the input of", op_seq});
+    id.number = ++registered_count(kRs);
+    registered_ready(kRs, id, desc);
+    registered_wait_ready(kRs, 0, peers, id, desc, {"reduce_scatter", "the input of", op_seq});
   }
   std::vector<const void*> srcs;  // this rank's part of every rank's input, in rank order
   for (int r = 0; r < world_; ++r) srcs.push_back(in_at[r] + static_cast<size_t>(rank_) * part_bytes);
@@ -122,8 +133,8 @@ void Protocol::reduce_scatter_registered(void* out, const std::vector<const char
   from_peers.reads_peers = world_ > 1;
   if (out_numel) t_->reduce(0, out, srcs, out_numel, from_peers);
   if (world_ > 1) {
-    registered_done(1, 0, peers, id.number);
-    registered_finish(1, peers, id.number, {"reduce_scatter", "the reads of this rank's input by", op_seq});
+    registered_done(kRs, 0, peers, id.number);
+    registered_finish(kRs, peers, id.number, {"reduce_scatter", "the reads of this rank's input by", op_seq});
   }
 }
 
@@ -134,13 +145,13 @@ uint64_t Protocol::direct_rounds(size_t bytes) const {
   return std::max<uint64_t>(1, (bytes + round - 1) / round);
 }
 
-void Protocol::direct_ready(int ring, uint64_t where, RegisteredId id, uint64_t desc,
+void Protocol::direct_ready(Ring ring, uint64_t where, RegisteredId id, uint64_t desc,
                             uint64_t ready) {
   std::vector<uint64_t*> at, readies, descs;
   for (int p : others_) {
-    at.push_back(flag_in(p, kRegWhere[ring], rank_));
-    readies.push_back(flag_in(p, kRegReady[ring], rank_));
-    descs.push_back(desc_in(p, kRegDesc[ring], rank_, id.number - 1));
+    at.push_back(flag_in(p, words_of(ring).where, rank_));
+    readies.push_back(flag_in(p, words_of(ring).ready, rank_));
+    descs.push_back(desc_in(p, words_of(ring).desc, rank_, id.number - 1));
   }
   if (ready == id.number || where) {  // the first round: where the input lies, what it is
     t_->store(0, at, where);
@@ -149,7 +160,7 @@ void Protocol::direct_ready(int ring, uint64_t where, RegisteredId id, uint64_t 
   t_->signal(0, readies, ready);
 }
 
-void Protocol::direct_round(int ring, uint64_t r, uint64_t rounds, uint64_t where, RegisteredId id,
+void Protocol::direct_round(Ring ring, uint64_t r, uint64_t rounds, uint64_t where, RegisteredId id,
                             uint64_t desc, const WaitSite& reads_site,
                             const std::function<void()>& stage) {
   const uint64_t base = id.number - 1;
@@ -170,18 +181,18 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
   announce(desc);
   const size_t round = layout_.chunk_bytes * layout_.slots;
   const uint64_t rounds = direct_rounds(shard_bytes);
-  const uint64_t base = registered_[0];
+  const uint64_t base = registered_count(kAg);
   const WaitSite reads{"all_gather", "the reads of this rank's input by", op_seq};
   auto len_of = [&](uint64_t r) { return std::min(round, shard_bytes - std::min(r * round, shard_bytes)); };
   if (world_ > 1) {
-    registered_[0] += rounds;
+    registered_count(kAg) += rounds;
     const RegisteredId id{0, base + 1};
     char* stage = t_->window(rank_) + layout_.ag_ring;
     // Round-major (each round's staging, then its reads), which keeps the order deadlock-free
     // when run in sequence: a rank's next staging waits only for reads its peers issued before
     // they wait for its next round.
     for (uint64_t r = 0; r < rounds; ++r) {
-      direct_round(0, r, rounds, where, id, desc, reads, [&] {  // staged in its all-gather ring,
+      direct_round(kAg, r, rounds, where, id, desc, reads, [&] {  // staged in its all-gather ring,
         if (r == 0 && ag_pub_[rank_]) {  // once its readers took what was published there
           std::vector<const uint64_t*> acks;
           for (int p : others_) acks.push_back(flag_in(rank_, WindowLayout::AgAck, p));
@@ -191,20 +202,20 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
       });
       for (int i = 1; i < world_; ++i) {  // each peer on its lane
         const int p = (rank_ + i) % world_;
-        const DescCheck check = registered_check(0, only_[p], id, desc);
-        t_->wait(i, {flag_in(rank_, kRegReady[0], p)}, only_[p], base + r + 1,
+        const DescCheck check = registered_check(kAg, only_[p], id, desc);
+        t_->wait(i, {flag_in(rank_, words_of(kAg).ready, p)}, only_[p], base + r + 1,
                  {"all_gather", "the input of", op_seq}, r == 0 && desc ? &check : nullptr);
-        const Located src{flag_in(rank_, kRegWhere[0], p), p,
+        const Located src{flag_in(rank_, words_of(kAg).where, p), p,
                                      t_->window(p) + layout_.ag_ring, r * round};
         if (len_of(r)) {
           zero_copy_->copy_located(i, out_b + static_cast<size_t>(p) * shard_bytes + r * round, src, len_of(r));
         }
-        registered_done(0, i, only_[p], base + r + 1);
+        registered_done(kAg, i, only_[p], base + r + 1);
       }
     }
   }
   if (my_part != in_b && shard_bytes) t_->copy(0, my_part, in_b, shard_bytes);
-  if (world_ > 1) registered_finish(0, others_, base + rounds, reads);
+  if (world_ > 1) registered_finish(kAg, others_, base + rounds, reads);
 }
 
 void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel, size_t elem_size,
@@ -220,13 +231,13 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
   }
   const size_t round = layout_.chunk_bytes * layout_.slots;  // a multiple of 16: of every element
   const uint64_t rounds = direct_rounds(part);
-  const uint64_t base = registered_[1];
-  registered_[1] += rounds;
+  const uint64_t base = registered_count(kRs);
+  registered_count(kRs) += rounds;
   const RegisteredId id{0, base + 1};
-  const DescCheck check = registered_check(1, others_, id, desc);
+  const DescCheck check = registered_check(kRs, others_, id, desc);
   const WaitSite reads{"reduce_scatter", "the reads of this rank's input by", op_seq};
   std::vector<const uint64_t*> ready_here;
-  for (int p : others_) ready_here.push_back(flag_in(rank_, kRegReady[1], p));
+  for (int p : others_) ready_here.push_back(flag_in(rank_, words_of(kRs).ready, p));
   ReduceSpec from_peers = spec;
   from_peers.reads_peers = true;
   // This rank's part of every rank's input, in rank order: its own in place, the peers' where
@@ -234,7 +245,7 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
   std::vector<Located> srcs(world_);
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
-    srcs[p] = {flag_in(rank_, kRegWhere[1], p), p, t_->window(p) + layout_.rs_slot(rank_, 0), 0};
+    srcs[p] = {flag_in(rank_, words_of(kRs).where, p), p, t_->window(p) + layout_.rs_slot(rank_, 0), 0};
   }
   // Each round on lane 0: this rank's input out (staged: once its readers are done with the
   // last round), then its part of everyone's reduced. A rank's staging waits only for rounds
@@ -242,7 +253,7 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
   for (uint64_t r = 0; r < rounds; ++r) {
     const size_t off = r * round;
     const size_t len = std::min(round, part - std::min(off, part));
-    direct_round(1, r, rounds, where, id, desc, reads, [&] {  // each reader's part, in its region
+    direct_round(kRs, r, rounds, where, id, desc, reads, [&] {  // each reader's part, in its region
       for (int q : others_) {
         if (len) t_->copy(0, t_->window(rank_) + layout_.rs_slot(q, 0), in_b + q * part + off, len);
       }
@@ -252,9 +263,9 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
     srcs[rank_].staged = in_b + rank_ * part + off;
     for (int p : others_) srcs[p].offset = rank_ * part + off;
     if (len) zero_copy_->reduce_located(0, out_b + off, srcs, len / elem_size, from_peers);
-    registered_done(1, 0, others_, base + r + 1);
+    registered_done(kRs, 0, others_, base + r + 1);
   }
-  registered_finish(1, others_, base + rounds, reads);
+  registered_finish(kRs, others_, base + rounds, reads);
 }
 
 }  // namespace odc

@@ -25,6 +25,7 @@ class Arena {
   Arena(int rank, int world, ArenaLayout layout, Transport* transport, Arenas* arenas, int id);
 
   const ArenaLayout& layout() const { return layout_; }
+  int id() const { return id_; }
   void publish(int group, const void* shard);
   void announce(uint64_t epoch);
   void get(int group, void* out, uint64_t epoch, uint64_t op_seq);  // out: world shards

@@ -196,7 +196,10 @@ void bind_arena(BackendClass& backend) {
            "Take `group`'s accumulator once every rank is done with it for `epoch`.")
       .def("side_stream", &A::side_stream,
            "CUDA: the arena's own stream for early reductions (cudaStream_t as int; 0 on CPU).")
-      .def("size", &A::size, "Bytes of its shared layout on each rank.");
+      .def("size", &A::size, "Bytes of its shared layout on each rank.")
+      .def("release", &A::release, py::call_guard<py::gil_scoped_release>(),
+           "Collective: give the arena's memory back (False: the transport keeps it, NVSHMEM); "
+           "every later call on it raises.");
 }
 
 // What this build has, and the sizes of the shared-memory layouts.

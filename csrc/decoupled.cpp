@@ -23,11 +23,13 @@ void check_arena_tensor(const at::Tensor& t, const c10::Device& device, size_t b
 }  // namespace
 
 DecoupledArena::DecoupledArena(c10::intrusive_ptr<OdcBackend> backend, c10::Device device,
-                               std::unique_ptr<Arena> arena, Transport* transport)
+                               std::unique_ptr<Arena> arena, Transport* transport,
+                               Arenas* arenas)
     : backend_(std::move(backend)),
       device_(device),
       arena_(std::move(arena)),
-      transport_(transport) {}
+      transport_(transport),
+      arenas_(arenas) {}
 
 void DecoupledArena::check_group(int64_t group, const char* what) const {
   ODC_CHECK(group >= 0 && group < static_cast<int64_t>(arena_->layout().numel.size()),
@@ -40,6 +42,8 @@ void DecoupledArena::call(F&& body) {
   b.settle_default_backend_type();
   std::lock_guard<std::mutex> lock(b.mu_);
   b.check_usable();
+  ODC_CHECK(!released_, ValueError, "odc decoupled mode: this model's arena was released "
+            "(odc.release); call odc.restore(model) before using it again");
   try {
     body();
   } catch (const c10::Error&) {
@@ -105,7 +109,7 @@ std::shared_ptr<DecoupledArena> DecoupledArena::create(
         backend, device,
         std::make_unique<Arena>(b.getRank(), b.getSize(), std::move(layout), ch.transport.get(),
                                 ch.arenas, tid),
-        ch.transport.get()));
+        ch.transport.get(), ch.arenas));
   } catch (const c10::Error&) {
     throw;  // argument errors: nothing was issued
   } catch (const std::exception& e) {
@@ -204,6 +208,13 @@ int64_t DecoupledArena::side_stream() {
     if (!side_stream_) side_stream_ = take_side_stream(device_);
   });
   return reinterpret_cast<int64_t>(side_stream_);
+}
+
+bool DecoupledArena::release() {
+  bool freed = false;
+  call([&] { freed = arenas_->release_arena(arena_->id()); });
+  released_ = freed;
+  return freed;
 }
 
 DecoupledArena::~DecoupledArena() {

@@ -44,12 +44,16 @@ class DecoupledArena {
   // cudaStream_t as an integer; 0 on CPU). take_when_done waits there for the peers: on a
   // pool stream, NCCL's or another user's work could queue behind that wait.
   int64_t side_stream();
+  // Collective: gives the arena's memory back (no operation on it may be in flight on any
+  // rank); false where the transport keeps it (NVSHMEM), then it stays usable. Every later
+  // call on a released arena raises.
+  bool release();
   ~DecoupledArena();
   int64_t size();  // bytes of its shared layout on each rank
 
  private:
   DecoupledArena(c10::intrusive_ptr<OdcBackend> backend, c10::Device device,
-                 std::unique_ptr<Arena> arena, Transport* transport);
+                 std::unique_ptr<Arena> arena, Transport* transport, Arenas* arenas);
   void check_group(int64_t group, const char* what) const;
   // Runs body under the group's lock, as a collective: a communication failure breaks the group.
   template <typename F>
@@ -62,7 +66,9 @@ class DecoupledArena {
   c10::Device device_;
   std::unique_ptr<Arena> arena_;
   Transport* transport_;  // owned by backend_'s channel of device_
+  Arenas* arenas_;        // the same transport's arenas
   void* side_stream_ = nullptr;
+  bool released_ = false;
 };
 
 }  // namespace odc

@@ -164,6 +164,11 @@ class Arenas {
   virtual ~Arenas() = default;
   // Collective over the group; returns the arena's id.
   virtual int create_arena(size_t bytes) = 0;
+  // Collective over the group, once no operation on arena `id` is in flight on any rank: its
+  // memory is given back (e.g. while a trainer has offloaded the model) and the id is not valid
+  // any more. False where the memory cannot be given back (NVSHMEM's heap): the arena is kept,
+  // valid and unchanged.
+  virtual bool release_arena(int id) = 0;
   virtual char* arena(int id, int rank) = 0;
   // dst[i] += src[i] (src in `dtype`, dst fp32), safe while other ranks add into dst.
   virtual void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) = 0;

@@ -146,6 +146,16 @@ int ShmTransport::create_arena(size_t bytes) {
   return id;
 }
 
+bool ShmTransport::release_arena(int id) {
+  store_barrier(a_, "shm_arena_release" + std::to_string(id));  // every rank is done with it
+  for (char*& m : arenas_.at(id)) {
+    if (m) munmap(m, arena_bytes_[id]);
+    m = nullptr;
+  }
+  arenas_[id].clear();
+  return true;
+}
+
 void ShmTransport::accumulate(int, float* dst, const void* src, size_t numel, DType dtype) {
   // Other ranks add into the same accumulator: compare-and-swap on the float's bits.
   auto add = [dst](size_t i, float v) {

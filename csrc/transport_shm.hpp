@@ -33,7 +33,8 @@ class ShmTransport final : public Transport, public Arenas {
   void reduce(int lane, void* dst, const std::vector<const void*>& srcs, size_t numel,
               const ReduceSpec& spec) override;
   int create_arena(size_t bytes) override;
-  char* arena(int id, int rank) override { return arenas_.at(id).at(rank); }
+  bool release_arena(int id) override;
+  char* arena(int id, int rank) override { return arenas_.at(id).at(rank); }  // released: throws
   void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) override;
   void fill_zero(int lane, void* dst, size_t bytes) override;
 

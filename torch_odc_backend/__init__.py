@@ -29,7 +29,7 @@ import warnings
 import torch
 
 __all__ = ["OdcBackend", "backend_stats", "balance", "built_with_cuda", "decouple", "last_microbatch",
-           "metrics", "sync", "use_registered_memory"]
+           "metrics", "release", "restore", "sync", "use_registered_memory"]
 
 from _torch_odc_backend_autoload import BACKEND_NAME  # noqa: E402 - "odc", named once
 
@@ -41,6 +41,8 @@ _LAZY = {
     "decouple": (".decoupled", "decouple"),
     "sync": (".decoupled", "sync"),
     "last_microbatch": (".decoupled", "last_microbatch"),
+    "release": (".decoupled", "release"),
+    "restore": (".decoupled", "restore"),
     "metrics": (".decoupled", "metrics"),
     "balance": (".balance", None),
     "nvshmem": (".nvshmem", None),

@@ -197,3 +197,33 @@ class _ReduceScatter:
                 if st.early is not None:
                     st.early.done_with(self.group.index)
         return None
+
+
+def problem_text(kind: str, names: str, when: str, where: str) -> str:
+    """What is wrong with a group's parameter (a kind of _Group.problems), and what to do."""
+    return {
+        "replaced": f"parameter {names} was replaced by a new Parameter after odc.decouple "
+                    "(e.g. load_state_dict(assign=True)): the optimizer and decoupled mode "
+                    "hold the old one, so peers would gather its stale published shard and "
+                    ".grad would go to the old object. Load checkpoints in place instead "
+                    "(load_state_dict without assign=True, or torch.distributed.checkpoint."
+                    "load), or replace parameters before creating the optimizer and calling "
+                    "odc.decouple",
+        "attribute": f"module attribute {names} was replaced by a Parameter FSDP2 does not "
+                     "manage (assigned after fully_shard): FSDP2 keeps gathering its own and "
+                     "drops the new one at its next reshard, in exact mode too. Assign "
+                     "parameters before fully_shard, or copy the values into the existing "
+                     f"Parameter in place (torch.no_grad(), param.copy_) {where}",
+        "layout": f"the local shard of parameter {names} changed dtype or device ({detail}), "
+                  "e.g. by model.to(): the published shards' layout is fixed by "
+                  "odc.decouple; convert the model before it",
+        "unshared": f"the local shard of parameter {names} is not the storage FSDP2 "
+                    "all-gathers from any more (replaced behind FSDP2's back): exact mode "
+                    "would gather other values than the published ones",
+        "storage": f"the local shard of parameter {names} moved to new storage {when} (e.g. "
+                   "by model.to()): peers may have gathered the old values already. Convert "
+                   f"or move parameters only {where}",
+        "in_place": f"parameter {names} was changed in place {when} (e.g. a checkpoint "
+                    "loaded): peers may have gathered the old values already. Change "
+                    f"parameters in place only {where}",
+    }[kind]

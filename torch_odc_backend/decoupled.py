@@ -59,7 +59,7 @@ from ._core import _C
 from ._C import OdcBackend
 from ._arena_sizing import _policies, plan_of_groups
 from ._arena_sizing import arena_bytes  # noqa: F401 - still importable from here, as before
-from ._decoupled_groups import _AllGather, _Group, _ReduceScatter
+from ._decoupled_groups import _AllGather, _Group, _ReduceScatter, problem_text
 from ._early_reduction import _EarlyReduction, reduction_order
 
 # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns there)
@@ -189,7 +189,11 @@ class DecoupledState:
         plan = plan_of_groups(groups, accumulate)
         if self.device.type == "cuda":
             _make_room_in_nvshmem_slab(plan, backend.options)
+        self._arena_sizes = plan.sizes
         self.arena = backend.create_arena(self.device, *plan.sizes)
+        # odc.release: the arena (and accumulate="local"'s buffers) given back until odc.restore
+        self.released = False
+        self.in_use = False  # a forward, last_microbatch or sync ran since the last publish
         for g in self.groups:
             g.module.set_custom_all_gather(_AllGather(g))
             g.module.set_custom_reduce_scatter(_ReduceScatter(g))
@@ -217,6 +221,9 @@ class DecoupledState:
         if self.broken:
             raise RuntimeError("odc decoupled mode is unusable after an earlier error inside a "
                                f"minibatch ({self.broken}); {what} cannot run")
+        if self.released and what != "odc.restore":
+            raise RuntimeError(f"odc decoupled mode: the model's arena was released (odc.release); "
+                               f"call odc.restore(model) before {what}")
 
     def _ensure_minibatch_open(self, what: str) -> None:
         self._check_usable(what)
@@ -224,6 +231,7 @@ class DecoupledState:
             self._next_minibatch(stepped=False)
         elif not self.checked:
             self._check_unchanged()
+        self.in_use = True
 
     def _publish(self) -> None:
         for g in self.groups:
@@ -254,33 +262,7 @@ class DecoupledState:
                 f"after optimizer.step() published it for minibatch {self.epoch}")
         where = ("before the first forward after odc.decouple, or after odc.sync(model) and "
                  "before optimizer.step() (which publishes them)")
-        reasons = {
-            "replaced": f"parameter {names} was replaced by a new Parameter after odc.decouple "
-                        "(e.g. load_state_dict(assign=True)): the optimizer and decoupled mode "
-                        "hold the old one, so peers would gather its stale published shard and "
-                        ".grad would go to the old object. Load checkpoints in place instead "
-                        "(load_state_dict without assign=True, or torch.distributed.checkpoint."
-                        "load), or replace parameters before creating the optimizer and calling "
-                        "odc.decouple",
-            "attribute": f"module attribute {names} was replaced by a Parameter FSDP2 does not "
-                         "manage (assigned after fully_shard): FSDP2 keeps gathering its own and "
-                         "drops the new one at its next reshard, in exact mode too. Assign "
-                         "parameters before fully_shard, or copy the values into the existing "
-                         f"Parameter in place (torch.no_grad(), param.copy_) {where}",
-            "layout": f"the local shard of parameter {names} changed dtype or device ({detail}), "
-                      "e.g. by model.to(): the published shards' layout is fixed by "
-                      "odc.decouple; convert the model before it",
-            "unshared": f"the local shard of parameter {names} is not the storage FSDP2 "
-                        "all-gathers from any more (replaced behind FSDP2's back): exact mode "
-                        "would gather other values than the published ones",
-            "storage": f"the local shard of parameter {names} moved to new storage {when} (e.g. "
-                       "by model.to()): peers may have gathered the old values already. Convert "
-                       f"or move parameters only {where}",
-            "in_place": f"parameter {names} was changed in place {when} (e.g. a checkpoint "
-                        "loaded): peers may have gathered the old values already. Change "
-                        f"parameters in place only {where}",
-        }
-        self._fail(reasons[kind])
+        self._fail(problem_text(kind, names, when, where))
 
     def _before_step(self, optimizer, args, kwargs):
         self._check_usable("optimizer.step()")
@@ -303,6 +285,7 @@ class DecoupledState:
             self.totals["skipped_steps"] += 1
         self.epoch += 1
         self.synced = False
+        self.in_use = False
         self.early = None
         self._publish()
         # published at the optimizer step: the first forward or sync checks for changes since
@@ -324,8 +307,44 @@ class DecoupledState:
         if self.synced or self.epoch == 0:  # no forward since the last sync and no step (or
             self._next_minibatch(stepped=False)  # none yet): an empty minibatch here
         self._check_unchanged()  # before this rank says it is done: its .grad stays untouched
+        self.in_use = True
         with _range("odc.sync"), torch.no_grad(), self._unusable_on_error():
             self._sync()
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self._check_usable("odc.release")
+        if self.in_use and not self.synced:
+            raise RuntimeError("odc.release: call it between minibatches (after odc.sync(model) "
+                               "or optimizer.step()), not during one: peers may still read this "
+                               "rank's shards or add into its accumulators")
+        with self._unusable_on_error():
+            self._kept = not self.arena.release()  # NVSHMEM keeps its heap: the arena stays
+        for g in self.groups:  # no reference to the local shards (their storage may be offloaded)
+            g.published = None
+            g.local_acc = None
+        self.released = True
+
+    def restore(self) -> None:
+        if not self.released:
+            return
+        self._check_usable("odc.restore")
+        problems = [p for g in self.groups for p in g.problems(since_published=False)]
+        if problems:  # e.g. still on the host: the arena's layout is where odc.decouple bound it
+            kind, name, detail = problems[0]
+            raise RuntimeError(f"odc.restore: parameter '{name}' is not as odc.decouple bound it "
+                               f"({detail or kind}); load the model back first")
+        with self._unusable_on_error():
+            if not self._kept:
+                self.arena = self.backend.create_arena(self.device, *self._arena_sizes)
+            for g in self.groups:
+                if self.accumulate == "local":
+                    g.local_acc = torch.zeros(self.world * g.grad_numel, dtype=torch.float32,
+                                              device=self.device)
+            self.released = False
+            if self.epoch > 0 and not self.synced:  # the minibatch published before the release
+                self._publish()
 
     def metrics(self) -> dict:
         """This rank's time: busy (between syncs) and in sync (waiting for the other ranks,
@@ -439,6 +458,23 @@ def last_microbatch(model: torch.nn.Module) -> None:
     effect without a replicate dimension or with ``accumulate="local"``. A backward after the
     announced one raises (its gradients would miss the reductions already started)."""
     _require_state(model, "odc.last_microbatch").last_microbatch()
+
+
+def release(model: torch.nn.Module) -> None:
+    """Give back what decoupled mode holds on the device for ``model`` (its arena: the published
+    shards and the owners' accumulators; ``accumulate="local"``'s buffers) and let go of its
+    parameters' local shards, e.g. before a trainer offloads the model to the host. Collective
+    over the model's shard group, between minibatches (after ``odc.sync`` or
+    ``optimizer.step()``); nothing of the model may run in decoupled mode until
+    :func:`restore`. On NVSHMEM's heap the arena is kept (the heap does not give memory back)."""
+    _require_state(model, "odc.release").release()
+
+
+def restore(model: torch.nn.Module) -> None:
+    """After :func:`release` and once the parameters are back on their device: a new arena,
+    with the parameters published for the minibatch that was open (collective). Their storage
+    may have changed (the values must be the same)."""
+    _require_state(model, "odc.restore").restore()
 
 
 def metrics(model: torch.nn.Module) -> dict:

@@ -72,7 +72,7 @@ CudaTransport::~CudaTransport() {
   copy_engines_.reset();
   fused_.reset();
   memory_->close(a_, bases_);
-  for (auto& a : arenas_) memory_->close(a_, a);
+  for (auto& a : arenas_) memory_->close(a_, a);  // (a released one is empty)
   errors_.reset();
   segments_.reset();  // its mappings and table belong to this device
   if (switched) (void)cudaSetDevice(prev);
@@ -85,6 +85,18 @@ int CudaTransport::create_arena(size_t bytes) {
   // No peer may signal into an arena before its owner has zeroed it.
   store_barrier(a_, "ipc_arena_open" + std::to_string(id));
   return id;
+}
+
+bool CudaTransport::release_arena(int id) {
+  if (!memory_->gives_back()) return false;
+  DeviceGuard g(device_);
+  // Every rank's device work that may touch the arena (its own, and its reads and adds into
+  // the peers') is done before any rank unmaps or frees it.
+  check(cudaDeviceSynchronize(), "finishing the work on an arena");
+  store_barrier(a_, "ipc_arena_release" + std::to_string(id));
+  memory_->close(a_, arenas_.at(id));
+  arenas_[id].clear();
+  return true;
 }
 
 uint64_t CudaTransport::locate(const void* p, size_t bytes) {

@@ -80,6 +80,7 @@ class CudaTransport final : public Transport, public ZeroCopyReads, public Arena
 
   // ---- Arenas
   int create_arena(size_t bytes) override;
+  bool release_arena(int id) override;
   char* arena(int id, int rank) override { return arenas_.at(id).at(rank); }
   void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype) override {
     recording_.accumulate(lane, dst, src, numel, dtype);

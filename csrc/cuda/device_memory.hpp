@@ -35,6 +35,8 @@ class DeviceMemory {
   virtual std::vector<char*> open(const TransportArgs& a, const std::string& tag, size_t bytes,
                                   const char* what) = 0;
   virtual void close(const TransportArgs& a, std::vector<char*>& bases) = 0;
+  // Whether close() gives the memory back (NVSHMEM's heap keeps it: a bump allocator).
+  virtual bool gives_back() const { return true; }
 
   // Routed peers (NVSHMEM's API path, e.g. GPUs on other hosts): their bases are placeholder
   // addresses that no kernel may touch; copies and signals that involve them go through

@@ -279,6 +279,7 @@ class SymmetricMemory final : public DeviceMemory {
   void close(const TransportArgs&, std::vector<char*>& bases) override {
     bases.assign(bases.size(), nullptr);  // the slab keeps it (a bump allocator)
   }
+  bool gives_back() const override { return false; }
 
  private:
   // The offset in the slab where `bytes` lie on every member (open's agreement).

@@ -151,37 +151,23 @@ class _OdcEngine:
 
     def to(self, device, model=True, optimizer=True, grad=True):
         """verl's offload and load between phases (``param_offload`` / ``optimizer_offload``, and
-        any other call): odc lets go of the parameters' local shards before they move, and binds
-        the moved ones after. It then holds no reference to storage verl offloaded (which would
-        keep it on the GPU) and never compares against, or reads, storage a move left behind.
-        What peers read meanwhile are the copies published in odc's arena after the last
-        optimizer step, which a move does not change."""
+        any other call), always between minibatches: odc gives back what decoupled mode holds
+        on the device (``odc.release``: its arena, and its references to the parameters'
+        shards, which would keep offloaded storage on the GPU) before the parameters move, and
+        takes it again once they are on the mesh's device (``odc.restore``: a new arena, the
+        moved shards published), so it never reads storage a move left behind."""
         moving = model and self.odc_enabled and self._odc_decoupled
         if moving:
-            _release_local_shards(self.module)
-        try:
-            super().to(device, model=model, optimizer=optimizer, grad=grad)
-        finally:
-            if moving:
-                _bind_local_shards(self.module)
+            odc.release(self.module)
+        super().to(device, model=model, optimizer=optimizer, grad=grad)
+        if moving and _on_mesh_device(self.module):
+            odc.restore(self.module)
 
 
-def _release_local_shards(module) -> None:
-    """Drop decoupled mode's references to the local shards of ``module``'s parameters (kept to
-    detect changes after a publish)."""
-    from ..decoupled import _state_of
-
-    for group in _state_of(module).groups:
-        group.published = None
-
-
-def _bind_local_shards(module) -> None:
-    """After the parameters moved (same values, new storage): the moved local shards are the
-    published ones (the next minibatch's check compares against them)."""
-    from ..decoupled import _state_of
-
-    for group in _state_of(module).groups:
-        group.record_published()
+def _on_mesh_device(module) -> bool:
+    """Whether ``module``'s parameters are on its mesh's device (loaded), not offloaded."""
+    p = next(module.parameters())
+    return p.device.type == p.device_mesh.device_type
 
 
 def _one_value_per_rank(metrics: dict, group) -> None:

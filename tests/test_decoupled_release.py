@@ -1,0 +1,118 @@
+"""odc.release / odc.restore: decoupled mode gives its arena back between minibatches (as a
+trainer that offloads the model to the host needs) and comes back with the parameters in new
+storage, training exactly as without; misuse is refused with a clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_models as fm
+from dist_utils import GPU_ENV, cuda_case, run_distributed
+from test_decoupled import STEPS, _assignments, _microbatch_loss
+
+
+def _offload_and_load(model, device: str) -> None:
+    """What a trainer's offload and load do to the parameters: the same values, new storage."""
+    model.to("cpu")
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        assert next(model.parameters()).device.type == "cpu"
+    model.to(device)
+    if device == "cpu":  # on the host .to("cpu") keeps the storage: move it by hand
+        model.to(torch.float64).to(torch.float32)
+
+
+def _train(mesh, device: str, *, decoupled: bool, release: bool, accumulate: str = "owner"):
+    import torch_odc_backend as odc
+
+    model, opt = fm.build(mesh, seed=3, device=device)
+    if decoupled:
+        odc.decouple(model, opt, accumulate=accumulate)
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    grads, arenas = [], []
+    for step in range(STEPS):
+        for mb in _assignments(dp, step, uneven=decoupled)[rank]:
+            _microbatch_loss(model, mb, step, device).backward()
+        if decoupled:
+            odc.sync(model)
+        grads.append({n: p.grad.full_tensor().float().cpu() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        if release:  # between minibatches (after the step published the next one's shards)
+            arena = odc.decoupled._state_of(model).arena
+            odc.release(model)
+            arenas.append(arena)
+            _offload_and_load(model, device)
+            odc.restore(model)
+    out = {"grads": grads, "params": fm.full_params(model)}
+    # a released arena is gone: any call on it raises
+    out["released_arenas_refused"] = []
+    for arena in arenas:
+        try:
+            arena.size()
+            out["released_arenas_refused"].append(False)
+        except ValueError as e:
+            out["released_arenas_refused"].append("released" in str(e))
+    return out
+
+
+def _misuse(mesh, device: str) -> dict:
+    import torch_odc_backend as odc
+
+    model, opt = fm.build(mesh, seed=4, device=device)
+    odc.decouple(model, opt)
+    out = {}
+    _microbatch_loss(model, 0, 0, device).backward()
+    try:  # inside a minibatch: peers may still read this rank's shards
+        odc.release(model)
+    except RuntimeError as e:
+        out["during"] = str(e)
+    odc.sync(model)
+    opt.step()
+    opt.zero_grad()
+    odc.release(model)
+    odc.release(model)  # again: nothing more to give back
+    try:
+        _microbatch_loss(model, 1, 1, device).backward()
+    except RuntimeError as e:
+        out["forward"] = str(e)
+    odc.restore(model)
+    _microbatch_loss(model, 1, 1, device).backward()  # and the group goes on
+    odc.sync(model)
+    out["after"] = True
+    return out
+
+
+def _worker(rank, world, device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = init_device_mesh(device, (world,))
+    out = {"exact": _train(mesh, device, decoupled=False, release=False),
+           "released": _train(mesh, device, decoupled=True, release=True),
+           "released_local": _train(mesh, device, decoupled=True, release=True, accumulate="local"),
+           "misuse": _misuse(mesh, device)}
+    return fm.to_wire(out)
+
+
+@pytest.mark.parametrize("device", ["cpu", cuda_case("cuda", gpus=2)])
+def test_release_and_restore_between_minibatches(device):
+    backend = "cpu:odc" if device == "cpu" else "cpu:gloo,cuda:odc"
+    env = dict(GPU_ENV) if device == "cuda" else {}
+    res = run_distributed(_worker, 2, device, backend=backend, env=env, deadline_s=300)
+    for rank, r in res.items():
+        for run in ("released", "released_local"):
+            for step, (want, got) in enumerate(zip(r["exact"]["grads"], r[run]["grads"])):
+                for name in want:
+                    torch.testing.assert_close(torch.as_tensor(got[name]), torch.as_tensor(want[name]), rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"rank {rank} {run} step {step} {name}: {m}")
+            for name, p in r["exact"]["params"].items():
+                torch.testing.assert_close(torch.as_tensor(r[run]["params"][name]), torch.as_tensor(p),
+                                           rtol=1e-5, atol=1e-6)
+            assert r[run]["released_arenas_refused"] == [True] * STEPS, (rank, run)
+        m = r["misuse"]
+        assert "between minibatches" in m["during"], m
+        assert "released" in m["forward"] and "odc.restore" in m["forward"], m
+        assert m["after"] is True

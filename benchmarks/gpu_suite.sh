@@ -136,7 +136,7 @@ GPU_SUITES=(-m gpu tests/test_collectives.py tests/test_fsdp2.py tests/test_deco
 SUITE_A=(tests/test_collectives.py tests/test_shared_gpus.py tests/test_zero_copy.py tests/test_lab.py)
 SUITE_B=(tests/test_registered.py tests/test_fsdp2.py tests/test_dynamic_balance.py
          tests/test_skipped_modules.py tests/test_hosts.py)
-SUITE_C=(tests/test_decoupled.py tests/test_callers.py tests/integrations/test_zero_code_change.py)
+SUITE_C=(tests/test_decoupled.py tests/test_decoupled_release.py tests/test_callers.py tests/integrations/test_zero_code_change.py)
 
 stage_suite() {  # PART FILES...: one part of `pytest -m gpu tests` on all GPUs
     local part=$1; shift

@@ -23,38 +23,64 @@ def _offload_and_load(model, device: str) -> None:
         model.to(torch.float64).to(torch.float32)
 
 
+def _shm_mappings() -> int:
+    """This process's mappings of host shared memory (the CPU transport's windows and arenas)."""
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/" in line for line in f)
+
+
+def _release_cycle(model, device: str, out: dict, forward: bool = True) -> None:
+    """odc.release, the trainer's offload and load, odc.restore; then (forward) a forward-only
+    pass, as a trainer's log-prob computation, and a second release after it."""
+    import torch_odc_backend as odc
+
+    arena = odc.decoupled._state_of(model).arena
+    before = _shm_mappings()
+    odc.release(model)
+    if device == "cpu":  # the arena's segments (this rank's and each peer's) are unmapped
+        out["unmapped"].append(before - _shm_mappings())
+    out["arenas"].append(arena)
+    _offload_and_load(model, device)
+    odc.restore(model)
+    if forward:
+        with torch.no_grad():
+            _microbatch_loss(model, 0, 0, device)  # gets only: release may follow
+        odc.release(model)
+        odc.restore(model)
+
+
 def _train(mesh, device: str, *, decoupled: bool, release: bool, accumulate: str = "owner"):
     import torch_odc_backend as odc
 
     model, opt = fm.build(mesh, seed=3, device=device)
+    out = {"unmapped": [], "arenas": []}
     if decoupled:
         odc.decouple(model, opt, accumulate=accumulate)
+        if release:  # before the first minibatch: nothing published yet
+            _release_cycle(model, device, out)
     dp, rank = dist.get_world_size(), dist.get_rank()
-    grads, arenas = [], []
+    grads = []
     for step in range(STEPS):
         for mb in _assignments(dp, step, uneven=decoupled)[rank]:
             _microbatch_loss(model, mb, step, device).backward()
         if decoupled:
             odc.sync(model)
+            if release and step == 1:  # after the sync, before the step (no forward there:
+                _release_cycle(model, device, out, forward=False)  # it would open a minibatch)
         grads.append({n: p.grad.full_tensor().float().cpu() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-        if release:  # between minibatches (after the step published the next one's shards)
-            arena = odc.decoupled._state_of(model).arena
-            odc.release(model)
-            arenas.append(arena)
-            _offload_and_load(model, device)
-            odc.restore(model)
-    out = {"grads": grads, "params": fm.full_params(model)}
-    # a released arena is gone: any call on it raises
-    out["released_arenas_refused"] = []
-    for arena in arenas:
+        if release:  # after the step (which published the next minibatch's shards)
+            _release_cycle(model, device, out)
+    result = {"grads": grads, "params": fm.full_params(model), "unmapped": out["unmapped"]}
+    result["released_arenas_refused"] = []  # a released arena is gone: any call on it raises
+    for arena in out["arenas"]:
         try:
             arena.size()
-            out["released_arenas_refused"].append(False)
+            result["released_arenas_refused"].append(False)
         except ValueError as e:
-            out["released_arenas_refused"].append("released" in str(e))
-    return out
+            result["released_arenas_refused"].append("released" in str(e))
+    return result
 
 
 def _misuse(mesh, device: str) -> dict:
@@ -111,7 +137,9 @@ def test_release_and_restore_between_minibatches(device):
             for name, p in r["exact"]["params"].items():
                 torch.testing.assert_close(torch.as_tensor(r[run]["params"][name]), torch.as_tensor(p),
                                            rtol=1e-5, atol=1e-6)
-            assert r[run]["released_arenas_refused"] == [True] * STEPS, (rank, run)
+            assert r[run]["released_arenas_refused"] == [True] * (STEPS + 2), (rank, run)
+            if device == "cpu":  # every rank's segment of the arena
+                assert r[run]["unmapped"] == [2] * (STEPS + 2), (rank, run, r[run]["unmapped"])
         m = r["misuse"]
         assert "between minibatches" in m["during"], m
         assert "released" in m["forward"] and "odc.restore" in m["forward"], m

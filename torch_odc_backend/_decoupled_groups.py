@@ -183,6 +183,7 @@ class _ReduceScatter:
             st.guard.fail("the reduce-scatter input does not cover every trainable parameter of "
                           f"group {self.group.index} (a parameter without gradient?); every "
                           "trainable parameter must receive a gradient in each backward")
+        st.guard.contributing()
         if st.accumulate == "local":
             g = self.group
             with _range("odc.local_accumulate"), st.guard.unusable_on_error():
@@ -199,7 +200,7 @@ class _ReduceScatter:
         return None
 
 
-def problem_text(kind: str, names: str, when: str, where: str) -> str:
+def problem_text(kind: str, names: str, when: str, where: str, detail: str) -> str:
     """What is wrong with a group's parameter (a kind of _Group.problems), and what to do."""
     return {
         "replaced": f"parameter {names} was replaced by a new Parameter after odc.decouple "

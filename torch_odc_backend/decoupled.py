@@ -120,6 +120,11 @@ class MinibatchGuard:
         """A block whose error (re-raised) leaves the state unusable, as ``fail`` does."""
         return self._state._unusable_on_error()
 
+    def contributing(self) -> None:
+        """A backward is about to add gradients (into the owners' accumulators or the local
+        sums): until the minibatch's sync, odc.release would lose them, so it refuses."""
+        self._state.in_use = True
+
 
 class DecoupledState:
     """What ``decouple`` set up for one model; ``sync`` and the optimizer hooks drive it, the
@@ -193,7 +198,10 @@ class DecoupledState:
         self.arena = backend.create_arena(self.device, *plan.sizes)
         # odc.release: the arena (and accumulate="local"'s buffers) given back until odc.restore
         self.released = False
-        self.in_use = False  # a forward, last_microbatch or sync ran since the last publish
+        # gradients were added, or the minibatch's end began (last_microbatch, sync), since the
+        # last publish: odc.release would lose them (gets alone it need not wait for: it
+        # finishes the device's work first, and restore publishes the shards again)
+        self.in_use = False
         for g in self.groups:
             g.module.set_custom_all_gather(_AllGather(g))
             g.module.set_custom_reduce_scatter(_ReduceScatter(g))
@@ -231,7 +239,6 @@ class DecoupledState:
             self._next_minibatch(stepped=False)
         elif not self.checked:
             self._check_unchanged()
-        self.in_use = True
 
     def _publish(self) -> None:
         for g in self.groups:
@@ -262,7 +269,7 @@ class DecoupledState:
                 f"after optimizer.step() published it for minibatch {self.epoch}")
         where = ("before the first forward after odc.decouple, or after odc.sync(model) and "
                  "before optimizer.step() (which publishes them)")
-        self._fail(problem_text(kind, names, when, where))
+        self._fail(problem_text(kind, names, when, where, detail))
 
     def _before_step(self, optimizer, args, kwargs):
         self._check_usable("optimizer.step()")
@@ -295,6 +302,7 @@ class DecoupledState:
     def last_microbatch(self) -> None:
         """The next backward is this rank's last of the minibatch (see last_microbatch)."""
         self._ensure_minibatch_open("odc.last_microbatch")
+        self.in_use = True
         if not self.reduces_early:
             return  # nothing to reduce across replicas, or nothing to take before sync
         if self.early is not None and self.early.done:
@@ -336,15 +344,21 @@ class DecoupledState:
             raise RuntimeError(f"odc.restore: parameter '{name}' is not as odc.decouple bound it "
                                f"({detail or kind}); load the model back first")
         with self._unusable_on_error():
-            if not self._kept:
-                self.arena = self.backend.create_arena(self.device, *self._arena_sizes)
             for g in self.groups:
                 if self.accumulate == "local":
                     g.local_acc = torch.zeros(self.world * g.grad_numel, dtype=torch.float32,
                                               device=self.device)
+            if not self._kept:
+                self.arena = self.backend.create_arena(self.device, *self._arena_sizes)
             self.released = False
-            if self.epoch > 0 and not self.synced:  # the minibatch published before the release
+            if self.epoch == 0 or self.synced:
+                return  # nothing published that a peer still needs
+            if not self._kept:  # the minibatch published before the release, again
                 self._publish()
+                return
+            for g in self.groups:  # the kept arena holds the published values (peers may be
+                g.refresh()  # reading them): bind the moved shards, write nothing
+                g.record_published()
 
     def metrics(self) -> dict:
         """This rank's time: busy (between syncs) and in sync (waiting for the other ranks,

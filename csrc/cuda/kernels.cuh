@@ -36,7 +36,9 @@ struct DeviceError {
   int n_notify;
   // In device memory: claimed (atomically, 0 -> 1) by the first of the GPU's failing waits to
   // record, so that two failing at once (blocks of one lane, lanes of one kernel) never mix
-  // their fields under one code.
+  // their fields under one code. (The watchdog, on the host, writes only where no code is set
+  // yet and cannot take the claim: a device-side record at the same moment could still mix
+  // with its own; it is rare, as the watchdog acts only on waits past the timeout.)
   int* claim;
 };
 

@@ -5,6 +5,7 @@ adds only ``import torch_odc_backend.verl`` (what ``model.external_lib=torch_odc
 
     python examples/recipes/verl_actor_update.py compare --work DIR [--device cuda] [--nproc 4]
         [--size 0.5b] [--steps 4] [--prompts 16] [--rollout-n 4] [--minibatches 1] [--role critic]
+        [--log-probs]
 
 Needs verl (docs/trainers.md gives the versions). ``compare`` writes a tokenizer and a Qwen2
 model of random weights (``--size``, examples/recipes/verl_sft.py's) into DIR and runs this
@@ -19,6 +20,15 @@ with ``ppo_loss``, one optimizer step). The rollouts are synthetic and the same 
 (seeded by ``--seed`` and the step): ``--prompts`` prompts of ``--rollout-n`` responses each, response
 lengths long-tailed (Pareto), GRPO advantages (verl's ``compute_grpo_outcome_advantage``) of
 outcome rewards of 1 for the longer half of each group, old log-probs near a random model's.
+
+``--log-probs`` (actor): the old log-probs are the actor's own instead, computed before each
+update as verl's PPO trainer computes them (``RayPPOTrainer._compute_old_log_prob``, GRPO's
+default: the rollout correction's bypass mode off): the balanced batch in the no-padding layout,
+chunked over the data-parallel ranks, the worker's ``compute_log_prob`` (``TrainingWorker.infer_batch``:
+a forward-only pass under the engine's eval mode, whose entry loads and exit offloads the model
+with ``param_offload``), the ranks' log-probs gathered and padded again, then the update. With
+``--offload`` each step thus runs load, forward-only pass, offload, load, update, offload. The
+result then holds each step's mean old log-prob (over response tokens) of both runs, compared.
 
 ``--role critic`` updates verl's critic instead, built as verl's PPO trainer builds it with the
 engine workers (``RayPPOTrainer.init_workers``: a ``TrainingWorker`` of model type
@@ -145,7 +155,6 @@ def update_batch(a, batch: dict, rank: int, dp: int):
     hands it to the workers: verl's no-padding layout with the trainer's settings, chunked over
     the data-parallel ranks as the ``update_actor`` (``train_mini_batch``) dispatch chunks it."""
     from tensordict import TensorDict
-    from verl.protocol import BatchData
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -160,8 +169,45 @@ def update_batch(a, batch: dict, rank: int, dp: int):
         tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
                              global_batch_size=mini, mini_batch_size=mini, epochs=1, seed=42,
                              dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    return chunk_of(td, rank, dp)
+
+
+def chunk_of(td, rank: int, dp: int):
+    """This rank's chunk of ``td`` as the workers' dispatch (``make_nd_compute_dataproto_dispatch_fn``)
+    chunks it over the data-parallel ranks."""
+    from verl.protocol import BatchData
+
     # Ray hands each worker its chunk serialised: a copy of its own, not a (locked) view
     return pickle.loads(pickle.dumps(BatchData(td).chunk(chunks=dp)[rank]))
+
+
+def actor_log_probs(actor, batch: dict, rank: int, dp: int):
+    """The actor's log-probs of the batch's responses, padded, ``(rows, max_response)``, as
+    ``RayPPOTrainer._compute_old_log_prob`` gets them: the batch in verl's no-padding layout with
+    the trainer's meta_info, this rank's chunk through the worker's ``compute_log_prob`` (a
+    forward-only pass, ``TrainingWorker.infer_batch``), the outputs of the data-parallel ranks
+    (of each SP group's first rank) gathered in rank order, as the dispatch collects them."""
+    import torch
+    import torch.distributed as dist
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    rows = batch["input_ids"].shape[0]
+    td = TensorDict({k: v for k, v in batch.items() if k != "old_log_probs"}, batch_size=[rows])
+    tu.assign_non_tensor(td, temperature=1.0, multi_turn=False,
+                         global_token_num=batch["attention_mask"].sum(-1).tolist())
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
+    mine = chunk_of(td, rank, dp)
+    out = actor.compute_log_prob(mine)
+    part = None if out is None else no_padding_2_padding(tu.get(out, "log_probs"), mine).float()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (rank, part))
+    parts = {r: p for r, p in everyone if p is not None}
+    log_probs = torch.cat([parts[r] for r in range(dp)])
+    assert log_probs.shape == batch["response_mask"].shape, (log_probs.shape, batch["response_mask"].shape)
+    return log_probs
 
 
 # ---- one rank of one run
@@ -320,6 +366,14 @@ def worker(a) -> int:
         tokens = int(batch["attention_mask"].sum())
         if a.balance_batch:
             batch = balance(batch, dp)
+        extra = {}
+        if a.log_probs:  # the trainer's old log-probs: the actor's own, a forward-only pass
+            dist.barrier()
+            t0 = time.perf_counter()
+            batch["old_log_probs"] = actor_log_probs(actor, batch, rank, dp)
+            mask = batch["response_mask"].float()
+            extra = {"log_prob_s": time.perf_counter() - t0,
+                     "old_log_prob_mean": float((batch["old_log_probs"] * mask).sum() / mask.sum())}
         data = update_batch(a, batch, rank, dp)
         dist.barrier()
         t0 = time.perf_counter()
@@ -331,7 +385,7 @@ def worker(a) -> int:
 
             m = tu.get(out, "metrics")
             steps.append({"step": step, "update_s": dt, "tokens": tokens, "engine": type(trainer.engine).__name__,
-                          "metrics": {k: _plain(v) for k, v in m.items()}})
+                          **extra, "metrics": {k: _plain(v) for k, v in m.items()}})
             print(f"step {step}: loss {m['loss']} grad_norm {m['grad_norm']} {dt:.2f}s", flush=True)
     if dist.get_rank() == 0:
         Path(a.out).write_text(json.dumps(steps, indent=1))
@@ -387,6 +441,10 @@ def run_engine(a, work: Path, name: str) -> dict:
            "tokens_per_s": (sum(s["tokens"] for s in timed) / sum(s["update_s"] for s in timed)) if timed else None,
            **{key: [x for s in steps for x in _list(s["metrics"].get(metric))] for key, metric in ROLE_METRICS[a.role]},
            "engine_class": steps[0].get("engine") if steps else None, "wall_s": time.time() - t0, "log": str(log)}
+    if a.log_probs:
+        run.update(old_log_prob_means=[s["old_log_prob_mean"] for s in steps],
+                   ppo_kls=[x for s in steps for x in _list(s["metrics"].get("actor/ppo_kl"))],
+                   log_prob_s=[s["log_prob_s"] for s in steps])
     return dict(run, **read_odc_stats(stats))
 
 
@@ -422,6 +480,11 @@ def compare(a) -> int:
                              own: close(odc[own], stock[own], a.rtol)}
         if stock["tokens_per_s"] and odc["tokens_per_s"]:
             result["summary"] = {"speedup_vs_stock": odc["tokens_per_s"] / stock["tokens_per_s"]}
+        if a.log_probs:  # the actor's own old log-probs (the forward-only passes) agree too
+            result["compare"]["old_log_prob_means"] = close(odc["old_log_prob_means"], stock["old_log_prob_means"],
+                                                            a.rtol)
+            checks["old log-probs equal"] = (result["compare"]["old_log_prob_means"]["equal"],
+                                             str(result["compare"]["old_log_prob_means"]))
         counts = [c for c in odc["microbatches_per_rank"] if c]
         checks.update(engine_checks(result["compare"], odc, a.nproc, counts))
         checks[f"{'policy' if a.role == 'actor' else 'value'} losses equal"] = (
@@ -461,6 +524,9 @@ def main(argv=None) -> int:
         q.add_argument("--sp", type=int, default=1, help="verl's ulysses_sequence_parallel_size")
         q.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
                        help="verl's param_offload and optimizer_offload")
+        q.add_argument("--log-probs", action=argparse.BooleanOptionalAction, default=False,
+                       help="actor: old log-probs from the actor's compute_log_prob before each update "
+                            "(verl's PPO trainer), not random ones")
         q.add_argument("--use-no-sync", action=argparse.BooleanOptionalAction, default=None,
                        help="verl's use_no_sync_for_gradient_accumulation (unset: verl's default)")
         q.add_argument("--lr", type=float, default=1e-4)
@@ -478,6 +544,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.prompts % a.minibatches:
         p.error("--prompts must be a multiple of --minibatches")
+    if a.log_probs and a.role != "actor":
+        p.error("--log-probs is the actor's (the critic's old values are made beforehand)")
     if a.device == "cpu" and not a.entry:
         p.error("--device cpu needs --entry (the CPU shim)")
     return compare(a) if a.cmd == "compare" else worker(a)

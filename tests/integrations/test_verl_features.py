@@ -9,6 +9,14 @@ losses and gradient norms are within 1e-6 (relative) of verl's engine's, in some
 ranks (SP groups) ran different numbers of microbatches, and odc carried the FSDP collectives
 in decoupled mode.
 
+The offload run without SP (``offload_no_sync_log_probs``) computes the old log-probs as verl's
+GRPO trainer does, with the actor's own forward-only pass (the worker's ``compute_log_prob``,
+``--log-probs``) before each update, so each step runs load, forward-only pass, offload, load,
+update, offload: odc's engine releases and restores its decoupled state around moves that
+follow forward-only passes too. The log-probs of both runs agree, and they are the model's
+own: the first minibatch of each update, before any optimizer step on that batch, has a
+policy ratio of 1 (``ppo_kl`` about 0).
+
 On the CPU verl's offload moves nothing (the device is the CPU): the offload runs of both
 engines use the CPU shim's engines whose every move gives the parameters and optimizer state
 new storage (tests/integrations/verl_cpu_shim/sft_cpu.py, ``MovesStorage``), as a GPU offload
@@ -27,15 +35,22 @@ from verl_env import compare_on_cpu, needs_verl
 pytestmark = needs_verl
 
 STEPS, MINIBATCHES, LAYERS = 2, 2, 2  # rollout batches, optimizer steps per batch; the tiny model's layers
+RTOL = 1e-6  # relative, per optimizer step
 COMMON = ("--steps", str(STEPS), "--minibatches", str(MINIBATCHES), "--prompts", "16", "--rollout-n", "4",
-          "--max-prompt", "32", "--max-response", "448", "--max-tokens", "512", "--rtol", "1e-6")
+          "--max-prompt", "32", "--max-response", "448", "--max-tokens", "512", "--rtol", str(RTOL))
 CONFIGS = {
     "lora": ("--nproc", "2", "--lora-rank", "32"),
     # verl 0.9.1's default is use_no_sync_for_gradient_accumulation=False (the other configs)
-    "offload_no_sync": ("--nproc", "2", "--offload", "--use-no-sync"),
+    # the old log-probs from the actor's forward-only pass, as verl's GRPO trainer computes them
+    "offload_no_sync_log_probs": ("--nproc", "2", "--offload", "--use-no-sync", "--log-probs"),
     "sp2": ("--nproc", "4", "--sp", "2", "--engines", "stock,odc,odc_dynamic"),
     "sp2_lora_offload": ("--nproc", "4", "--sp", "2", "--lora-rank", "32", "--offload"),
 }
+
+
+def max_rel_diff(got: list, ref: list) -> float:
+    assert len(got) == len(ref) > 0, (got, ref)
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(got, ref))
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -47,6 +62,8 @@ def test_option_equals_verls_engine(config, tmp_path):
     for key in ("losses", "grad_norms", "pg_losses"):
         assert cmp[key]["steps"] == STEPS * MINIBATCHES and cmp[key]["equal"], (key, cmp)
     stock, odc = runs["stock"], runs["odc"]
+    for key in ("losses", "grad_norms", "pg_losses"):  # the recipe's verdict, recomputed here
+        assert max_rel_diff(odc[key], stock[key]) <= RTOL, (key, odc[key], stock[key])
     assert all(abs(x) > 1e-2 for x in stock["losses"]), stock["losses"]  # relative differences mean something
     assert not stock["odc_stats"] and all(c is None for c in stock["microbatches_per_rank"])
 
@@ -70,6 +87,12 @@ def test_option_equals_verls_engine(config, tmp_path):
         assert odc["engine_class"] == "StorageMovingOdcFSDPEngineWithLMHead", odc["engine_class"]
     else:
         assert odc["engine_class"] == "OdcFSDPEngineWithLMHead", odc["engine_class"]
+    if "--log-probs" in args:  # the old log-probs: each step's mean over the response tokens
+        assert cmp["old_log_prob_means"]["steps"] == STEPS and cmp["old_log_prob_means"]["equal"], cmp
+        assert max_rel_diff(odc["old_log_prob_means"], stock["old_log_prob_means"]) <= RTOL, (odc, stock)
+        for run in (stock, odc):  # the model's own: no optimizer step yet, ratio 1, ppo_kl about 0
+            first = run["ppo_kls"][::MINIBATCHES]
+            assert len(run["ppo_kls"]) == STEPS * MINIBATCHES and all(abs(k) < 1e-6 for k in first), run["ppo_kls"]
     if "odc_dynamic" in runs:  # ODC_VERL_BALANCE=dynamic: one rank per SP group claims
         for key in ("losses_dynamic", "grad_norms_dynamic"):
             assert cmp[key]["equal"], (key, cmp)

@@ -51,10 +51,14 @@ class _Group:
         # recorded after each add (FSDP2 runs them on its own stream; sync waits on it)
         self.local_acc = self.local_event = None
         if state.accumulate == "local":
-            self.local_acc = torch.zeros(state.world * self.grad_numel, dtype=torch.float32,
-                                         device=state.device)
+            self.local_acc = self.new_local_acc()
             if state.device.type == "cuda":
                 self.local_event = torch.cuda.Event()
+
+    def new_local_acc(self) -> torch.Tensor:
+        """accumulate="local"'s zeroed fp32 sums of this rank's reduce-scatter inputs."""
+        return torch.zeros(self.state.world * self.grad_numel, dtype=torch.float32,
+                           device=self.state.device)
 
     def refresh(self) -> None:
         self.divide_factor = _fsdp_adapter.group_policy(self.module).gradient_divide_factor

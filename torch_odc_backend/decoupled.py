@@ -346,8 +346,7 @@ class DecoupledState:
         with self._unusable_on_error():
             for g in self.groups:
                 if self.accumulate == "local":
-                    g.local_acc = torch.zeros(self.world * g.grad_numel, dtype=torch.float32,
-                                              device=self.device)
+                    g.local_acc = g.new_local_acc()
             if not self._kept:
                 self.arena = self.backend.create_arena(self.device, *self._arena_sizes)
             self.released = False

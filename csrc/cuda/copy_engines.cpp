@@ -87,21 +87,18 @@ void CopyEngines::issue_step(Issue& op, const Step& s) {
       break;
     case kStepSignal:
     case kStepStore: {
-      const WordRange w = s.as<SignalStep>() ? s.as<SignalStep>()->counters : s.as<StoreStep>()->words;
-      const uint64_t value = s.as<SignalStep>() ? s.as<SignalStep>()->value : s.as<StoreStep>()->value;
+      const SignalStep& g = *s.as_signal();
       op.words.clear();
-      for (int i = 0; i < w.n; ++i) op.words.push_back(op.r.counter(w.first + i));
-      issue_signal(op, lane, op.words, value, /*payload=*/s.kind() == kStepStore);
+      for (int i = 0; i < g.counters.n; ++i) op.words.push_back(op.r.counter(g.counters.first + i));
+      issue_signal(op, lane, op.words, g.value, /*payload=*/s.kind() == kStepStore);
       break;
     }
     case kStepCopy:
       issue_copy(op, lane, *s.as<CopyStep>());
       break;
     case kStepReduce:
-      issue_reduce(op, lane, *s.as<ReduceStep>());
-      break;
     case kStepReduceLocated:
-      issue_located_reduce(op, lane, *s.as<LocatedReduceStep>());
+      issue_reduce(op, lane, *s.as_reduction(), s.as<LocatedReduceStep>());
       break;
     case kStepCopyLocated:
       issue_located_copy(op, lane, *s.as<LocatedCopyStep>());
@@ -176,47 +173,37 @@ void CopyEngines::issue_copy(Issue& op, int lane, const CopyStep& c) {
         "cudaMemcpyAsync");
 }
 
-void CopyEngines::issue_reduce(Issue& op, int lane, const ReduceStep& s) {
-  ReduceOpArgs args{};
-  args.n_src = s.srcs.n;
-  bool aligned = true;
-  for (int i = 0; i < args.n_src; ++i) {
-    args.src[i] = op.r.word(s.srcs.first + i);
-    aligned = aligned && reinterpret_cast<uintptr_t>(args.src[i]) % 16 == 0;
-  }
-  args.dst = s.dst;
-  args.numel = s.numel;
-  launch_reduce_op(op, lane, args, s.spec, aligned);
-}
-
-// Located sources: their Location words decide on the device (kernels.cuh).
-void CopyEngines::issue_located_reduce(Issue& op, int lane, const LocatedReduceStep& s) {
-  ReduceOpArgs args{};
-  args.n_src = s.srcs.n;
-  bool aligned = s.offset % 16 == 0;
-  for (int i = 0; i < args.n_src; ++i) {
-    args.src[i] = op.r.word(s.srcs.first + i);
-    args.where[i] = static_cast<const uint64_t*>(op.r.word(s.srcs.first + s.srcs.n + i));
-    aligned = aligned && reinterpret_cast<uintptr_t>(args.src[i]) % 16 == 0;
-  }
-  args.segments = op.env.segments;
-  args.located_offset = s.offset;
-  args.elem_size = dtype_size(s.spec.dtype);
-  args.err = op.env.err;
-  args.op_seq = s.site.op_seq;
-  args.op = s.site.op;
-  args.dst = s.dst;
-  args.numel = s.numel;
-  launch_reduce_op(op, lane, args, s.spec, aligned);
-}
-
-void CopyEngines::launch_reduce_op(Issue& op, int lane, ReduceOpArgs& args,
-                                   const ReduceSpec& spec, bool aligned) {
+// located: the step's sources are located (their Location words decide on the device,
+// kernels.cuh); null: plain addresses.
+void CopyEngines::issue_reduce(Issue& op, int lane, const ReduceStep& s,
+                               const LocatedReduceStep* located) {
   prepare(op, lane);
+  ReduceOpArgs args{};
+  args.n_src = s.srcs.n;
+  args.dst = s.dst;
+  args.numel = s.numel;
+  bool aligned = reinterpret_cast<uintptr_t>(s.dst) % 16 == 0;
+  for (int i = 0; i < args.n_src; ++i) {
+    args.src[i] = op.r.word(s.srcs.first + i);
+    aligned = aligned && reinterpret_cast<uintptr_t>(args.src[i]) % 16 == 0;
+  }
+  if (located) {
+    for (int i = 0; i < args.n_src; ++i) {
+      args.where[i] = static_cast<const uint64_t*>(op.r.word(s.srcs.first + s.srcs.n + i));
+    }
+    args.segments = op.env.segments;
+    args.located_offset = located->offset;
+    args.elem_size = dtype_size(s.spec.dtype);
+    args.err = op.env.err;
+    args.op_seq = located->site.op_seq;
+    args.op = located->site.op;
+    aligned = aligned && located->offset % 16 == 0;
+  }
+  const ReduceSpec& spec = s.spec;
   // fp32 scale for the fp32-accumulated types (as ever), fp64 for float64
   args.scale = spec.dtype == DType::F64 ? spec.scale : static_cast<float>(spec.scale);
   args.scale_ptr = spec.scale_ptr;
-  args.vectorized = aligned && reinterpret_cast<uintptr_t>(args.dst) % 16 == 0;
+  args.vectorized = aligned;
   // Bulk copies where sources lie across NVLink: there a block's loads are latency-bound
   // (about 51 against 73 GB/s per block, H100); from this GPU's memory the register kernel is
   // as fast or faster (reduce_kernels.cu).

@@ -46,10 +46,7 @@ class CopyEngines {
   void launch_flags(Issue& op, int lane, const WaitStep* wait);
   void prepare(Issue& op, int lane);  // before a data step: pending signals, the lane forked
   void issue_copy(Issue& op, int lane, const CopyStep& c);
-  void issue_reduce(Issue& op, int lane, const ReduceStep& s);
-  void issue_located_reduce(Issue& op, int lane, const LocatedReduceStep& s);
-  void launch_reduce_op(Issue& op, int lane, ReduceOpArgs& args, const ReduceSpec& spec,
-                        bool aligned);
+  void issue_reduce(Issue& op, int lane, const ReduceStep& s, const LocatedReduceStep* located);
   void issue_located_copy(Issue& op, int lane, const LocatedCopyStep& s);
   // Signals (signals.cpp): batched per lane into the lane's next flag kernel, or written at once
   // as stream memory operations.

@@ -141,8 +141,10 @@ void CudaTransport::end_op() {
 }
 
 std::shared_ptr<void> CudaTransport::completion(void* stream, bool after_last_op) {
-  DeviceGuard g(device_);
-  return order_.completion(static_cast<cudaStream_t>(stream), after_last_op);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (std::shared_ptr<void> last = order_.last_on(s, after_last_op)) return last;
+  DeviceGuard g(device_);  // (only to record a new event)
+  return order_.record(s);
 }
 
 }  // namespace odc

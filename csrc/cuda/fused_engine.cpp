@@ -19,11 +19,9 @@ FusedEngine::~FusedEngine() {
 bool FusedEngine::fits(const Step& s) const {
   if (s.kind() == kStepAccumulate || s.kind() == kStepZero) return false;
   if (s.data_bytes() > small_op_bytes_) return false;
-  const ReduceSpec* spec = s.as<ReduceStep>()            ? &s.as<ReduceStep>()->spec
-                           : s.as<LocatedReduceStep>()   ? &s.as<LocatedReduceStep>()->spec
-                                                         : nullptr;
-  if (spec && (spec->combine != Combine::Sum ||
-               static_cast<int>(spec->dtype) > static_cast<int>(DType::F16))) {
+  const ReduceStep* red = s.as_reduction();
+  if (red && (red->spec.combine != Combine::Sum ||
+              static_cast<int>(red->spec.dtype) > static_cast<int>(DType::F16))) {
     return false;  // the fused kernel sums fp32 / bf16 / fp16 only
   }
   return true;
@@ -52,9 +50,8 @@ bool FusedEngine::plan_blocks(const StepRecording& r) {
   bool has_steps[kFusedMaxLanes] = {};
   for (const Step& s : r.steps()) {
     const size_t each = s.data_bytes();
-    const auto* red = s.as<ReduceStep>();
-    const auto* located_red = s.as<LocatedReduceStep>();
-    const size_t b = red ? each * red->srcs.n : located_red ? each * located_red->srcs.n : each;
+    const ReduceStep* red = s.as_reduction();
+    const size_t b = red ? each * red->srcs.n : each;
     if (b && !bytes[s.lane]) ++lanes_with_data;
     bytes[s.lane] = std::max(bytes[s.lane], b);
     has_steps[s.lane] = true;
@@ -98,12 +95,6 @@ void FusedEngine::encode(const Step& s, FusedStep& f, FusedOp& op) const {
     f.first = static_cast<uint16_t>(w.first);
     f.n = static_cast<uint16_t>(w.n);
   };
-  auto reduction = [&f](const ReduceSpec& spec, size_t numel) {
-    f.dtype = static_cast<uint8_t>(spec.dtype);
-    f.scale = static_cast<float>(spec.scale);
-    f.scale_ptr = spec.scale_ptr;
-    f.value = numel;
-  };
   if (auto* w = s.as<WaitStep>()) {
     words(w->counters);
     f.value = w->target;
@@ -111,31 +102,27 @@ void FusedEngine::encode(const Step& s, FusedStep& f, FusedOp& op) const {
     f.what = w->site.what;
     op.op_seq = w->site.op_seq;
     op.op = w->site.op;
-  } else if (auto* g = s.as<SignalStep>()) {
+  } else if (auto* g = s.as_signal()) {
     words(g->counters);
     f.value = g->value;
-  } else if (auto* st = s.as<StoreStep>()) {
-    words(st->words);
-    f.value = st->value;
   } else if (auto* c = s.as<CopyStep>()) {
     f.dst = c->dst;
     f.src = c->src;
     f.value = c->bytes;
-  } else if (auto* red = s.as<ReduceStep>()) {
+  } else if (auto* red = s.as_reduction()) {
     words(red->srcs);
     f.dst = red->dst;
-    reduction(red->spec, red->numel);
+    f.dtype = static_cast<uint8_t>(red->spec.dtype);
+    f.scale = static_cast<float>(red->spec.scale);
+    f.scale_ptr = red->spec.scale_ptr;
+    f.value = red->numel;
+    if (auto* lr = s.as<LocatedReduceStep>()) f.located = FusedLocated{nullptr, lr->offset};
   } else if (auto* lc = s.as<LocatedCopyStep>()) {
     f.dst = lc->dst;
     f.src = lc->src.staged;
     f.owner = static_cast<uint16_t>(lc->src.owner);
     f.located = FusedLocated{lc->src.where, lc->src.offset};
     f.value = lc->bytes;
-  } else if (auto* lr = s.as<LocatedReduceStep>()) {
-    words(lr->srcs);
-    f.dst = lr->dst;
-    f.located = FusedLocated{nullptr, lr->offset};
-    reduction(lr->spec, lr->numel);
   }
 }
 

@@ -171,7 +171,7 @@ PutGraphs::Run PutGraphs::prepare_run(const StepRecording& r, size_t first, size
       continue;
     }
     const int first_word = s.as<WaitStep>() ? s.as<WaitStep>()->counters.first
-                                            : s.as<SignalStep>()->counters.first;
+                                            : s.as_signal()->counters.first;
     if (env.memory.routed(r.word(first_word))) {
       throw std::logic_error("odc: a put to a peer reached through NVSHMEM");
     }

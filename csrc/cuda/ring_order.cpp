@@ -45,8 +45,7 @@ void RingOrder::clear() {
   last_.reset();
 }
 
-std::shared_ptr<void> RingOrder::completion(cudaStream_t stream, bool after_last_op) {
-  if (after_last_op && last_ && last_stream_ == stream) return last_;
+std::shared_ptr<void> RingOrder::record(cudaStream_t stream) {
   std::shared_ptr<void> done = events_->share(events_->take());
   check(cudaEventRecord(event_of(done), stream), "recording a collective's end");
   return done;

@@ -22,8 +22,12 @@ class RingOrder {
   void forget_last() { last_.reset(); }
   // Drops every event held (the transport goes; a Work may still hold some).
   void clear();
-  // Transport::completion, on the current device.
-  std::shared_ptr<void> completion(cudaStream_t stream, bool after_last_op);
+  // Transport::completion: the last operation's end event where it serves (nothing was
+  // issued on `stream` since), else null: then record(), on the current device.
+  std::shared_ptr<void> last_on(cudaStream_t stream, bool after_last_op) const {
+    return after_last_op && last_ && last_stream_ == stream ? last_ : nullptr;
+  }
+  std::shared_ptr<void> record(cudaStream_t stream);
   std::shared_ptr<void> last_of(Ring ring) const { return done_[ring_index(ring)]; }
   EventPool& events() { return *events_; }
   const std::shared_ptr<EventPool>& event_pool() const { return events_; }

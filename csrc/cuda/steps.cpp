@@ -8,17 +8,14 @@ namespace odc {
 size_t Step::data_bytes() const {
   if (auto* c = as<CopyStep>()) return c->bytes;
   if (auto* c = as<LocatedCopyStep>()) return c->bytes;
-  if (auto* r = as<ReduceStep>()) return r->numel * dtype_size(r->spec.dtype);
-  if (auto* r = as<LocatedReduceStep>()) return r->numel * dtype_size(r->spec.dtype);
+  if (auto* r = as_reduction()) return r->numel * dtype_size(r->spec.dtype);
   return 0;
 }
 
 int Step::words() const {
   if (auto* w = as<WaitStep>()) return (w->checked ? 2 : 1) * w->counters.n;
-  if (auto* s = as<SignalStep>()) return s->counters.n;
-  if (auto* s = as<StoreStep>()) return s->words.n;
-  if (auto* r = as<ReduceStep>()) return r->srcs.n;
-  if (auto* r = as<LocatedReduceStep>()) return 2 * r->srcs.n;
+  if (auto* s = as_signal()) return s->counters.n;
+  if (auto* r = as_reduction()) return (as<LocatedReduceStep>() ? 2 : 1) * r->srcs.n;
   return 0;
 }
 
@@ -70,9 +67,9 @@ void StepRecording::signal(int lane, const std::vector<uint64_t*>& flags, uint64
 }
 
 void StepRecording::store(int lane, const std::vector<uint64_t*>& words, uint64_t value) {
-  add(lane, StoreStep{add_words(reinterpret_cast<const void* const*>(words.data()), words.size(),
-                                nullptr),
-                      value});
+  add(lane, StoreStep{{add_words(reinterpret_cast<const void* const*>(words.data()), words.size(),
+                                 nullptr),
+                       value}});
 }
 
 void StepRecording::copy(int lane, void* dst, const void* src, size_t bytes) {
@@ -107,7 +104,7 @@ void StepRecording::reduce_located(int lane, void* dst, const std::vector<Locate
   for (const Located& l : srcs) words.push_back(l.where);
   WordRange r = add_words(words.data(), words.size(), nullptr);
   r.n = static_cast<int>(srcs.size());
-  add(lane, LocatedReduceStep{dst, r, numel, spec, offset, last_wait_});
+  add(lane, LocatedReduceStep{{dst, r, numel, spec}, offset, last_wait_});
 }
 
 void StepRecording::guard_from(size_t first) {

@@ -34,10 +34,8 @@ struct SignalStep {  // after the lane's earlier steps: each counter = value
   WordRange counters;
   uint64_t value = 0;
 };
-struct StoreStep {  // a payload (Transport::store): visible before the lane's next signal
-  WordRange words;
-  uint64_t value = 0;
-};
+// A payload (Transport::store): stored as a signal is, but visible before the lane's next one.
+struct StoreStep : SignalStep {};
 struct CopyStep {
   void* dst;
   const void* src;
@@ -65,11 +63,8 @@ struct LocatedCopyStep {
   size_t bytes;
   WaitSite site;  // the wait before it (its owner's "ready"), naming the operation in errors
 };
-struct LocatedReduceStep {
-  void* dst;
-  WordRange srcs;  // the staged (or own) sources; their Location words follow, at first + n
-  size_t numel;
-  ReduceSpec spec;
+// srcs: the staged (or own) sources; their Location words follow, at first + n.
+struct LocatedReduceStep : ReduceStep {
   uint64_t offset;  // past each located source's word's offset
   WaitSite site;
 };
@@ -91,6 +86,14 @@ struct Step {
   template <typename T>
   const T* as() const { return std::get_if<T>(&payload); }
   bool is_data() const { return kind() != kStepWait && kind() != kStepSignal && kind() != kStepStore; }
+  // A signal or a store (the counters or words it stores, and the value).
+  const SignalStep* as_signal() const {
+    return as<SignalStep>() ? as<SignalStep>() : static_cast<const SignalStep*>(as<StoreStep>());
+  }
+  // A reduction, of plain or located sources.
+  const ReduceStep* as_reduction() const {
+    return as<ReduceStep>() ? as<ReduceStep>() : static_cast<const ReduceStep*>(as<LocatedReduceStep>());
+  }
   // The bytes its copy moves, or each source of its reduction holds (0: no such step).
   size_t data_bytes() const;
   // How many words of the recording it uses (counters, descriptors, sources, their words).

@@ -383,7 +383,7 @@ def run_all(run, names: list[str], path: Path, result: dict) -> tuple[dict, tupl
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             runs[name] = {"error": str(e)[-3000:]}
             print(f"{name}: failed: {str(e)[-500:]}", file=sys.stderr)
-        path.write_text(json.dumps(dict(result, runs=runs, partial=True), indent=1))
+        path.write_text(dumps(dict(result, runs=runs, partial=True)))
     result["runs"] = runs
     bad = sorted(n for n, r in runs.items() if "error" in r)
     return {n: r for n, r in runs.items() if n not in bad}, (not bad, f"failed: {bad}" if bad else "all")
@@ -408,11 +408,20 @@ def machine(device: str) -> dict:
     return out
 
 
+def dumps(result: dict) -> str:
+    """JSON indented by one space, each list of plain values on one line (per-step series)."""
+    import re
+
+    text = json.dumps(result, indent=1)
+    return re.sub(r"\[\n\s*([^\[\]{}]*?)\n\s*\]",
+                  lambda m: "[" + " ".join(x.strip() for x in m.group(1).split("\n")) + "]", text)
+
+
 def finish(path: Path, result: dict, checks: dict, runs: dict) -> int:
     """Write the result with its checks, print them, the runs' losses and tokens/s and the
     verdict; the exit status (0: every check passed)."""
     result["checks"] = {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}
-    path.write_text(json.dumps(result, indent=1))
+    path.write_text(dumps(result))
     for k, (ok, d) in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {k}: {d}")
     print(json.dumps({"runs": {n: {"losses": r["losses"], "tokens_per_s": r["tokens_per_s"]} for n, r in runs.items()},
@@ -494,7 +503,10 @@ def plot(path: Path) -> int:
     fig.suptitle(f"{path.stem}: {where}, {result['size']}, commit {str(result.get('commit'))[:10]}, "
                  f"{str(result.get('date'))[:10]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=60)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from _png import save_png  # 64 colours: the results folder stays small
+
+    save_png(fig, path.with_suffix(".png"), dpi=60)
     print(f"wrote {path.with_suffix('.png')}")
     return 0
 

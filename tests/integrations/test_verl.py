@@ -188,7 +188,8 @@ def run(rank, world, path):
 if __name__ == "__main__":
     import tempfile
     path = os.path.join(tempfile.mkdtemp(), "store")
-    mp.spawn(run, args=(2, path), nprocs=2)
+    # forked: the ranks start with the imports above (spawned, each would import verl again)
+    mp.start_processes(run, args=(2, path), nprocs=2, start_method="fork")
     print("EXCHANGE OK")
 """
 

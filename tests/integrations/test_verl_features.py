@@ -106,9 +106,9 @@ def test_sft_lora_sp2_recipe(tmp_path):
     import os
     import subprocess
 
-    from verl_env import REPO, VERL_PYTHON
+    from verl_env import PYTHONPATH, REPO, VERL_PYTHON
 
-    env = dict(os.environ, PYTHON=str(VERL_PYTHON), DEVICE="cpu", WORK=str(tmp_path), PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHON=str(VERL_PYTHON), DEVICE="cpu", WORK=str(tmp_path), PYTHONPATH=PYTHONPATH)
     proc = subprocess.run(["bash", str(REPO / "examples" / "recipes" / "verl_sft_lora_sp2.sh"), "4"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "VERDICT: PASS" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-3000:]

@@ -1,7 +1,8 @@
 """The verl environment of the verl tests (test_verl.py, test_verl_actor.py): verl 0.9.1 pins
 transformers below the version the other recipes use, so it lives in an environment of its own,
 ``ODC_TEST_VERL_PYTHON`` (default ``.venv-verl/bin/python`` of the checkout, which .ci/run
-makes), run with this checkout on its ``PYTHONPATH``."""
+makes), run with this checkout on its ``PYTHONPATH``, and fast_exit/ (its sitecustomize: no garbage
+collection at the exit of any process of the run)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 VERL_PYTHON = Path(os.environ.get("ODC_TEST_VERL_PYTHON", REPO / ".venv-verl" / "bin" / "python"))
 SHIM = REPO / "tests" / "integrations" / "verl_cpu_shim" / "sft_cpu.py"
+PYTHONPATH = os.pathsep.join([str(REPO), str(REPO / "tests" / "integrations" / "fast_exit")])
 
 needs_verl = pytest.mark.skipif(not VERL_PYTHON.exists(), reason=(
     f"no verl environment at {VERL_PYTHON} (make it as .ci/run does, or set ODC_TEST_VERL_PYTHON)"))
@@ -21,7 +23,7 @@ needs_verl = pytest.mark.skipif(not VERL_PYTHON.exists(), reason=(
 
 def run(args: list[str], timeout: float = 600, **env) -> subprocess.CompletedProcess:
     """``args`` under the verl environment's Python, from the checkout."""
-    return subprocess.run([str(VERL_PYTHON), *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), **env),
+    return subprocess.run([str(VERL_PYTHON), *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=PYTHONPATH, **env),
                           capture_output=True, text=True, timeout=timeout)
 
 

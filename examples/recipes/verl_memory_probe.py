@@ -22,7 +22,7 @@ import torch
 
 _DIR = os.environ.get("ODC_RECIPE_MEMORY_DIR", "")
 _PERIOD_S = 0.004
-_CHANGE = 1 << 20  # a sample is kept when the used memory moved by a MiB or more (or a second passed)
+_CHANGE = 1 << 20  # a sample is kept when a figure moved by a MiB or more (or a second passed)
 
 
 def _watch(samples: list, stop: threading.Event) -> None:
@@ -70,7 +70,7 @@ def read(folder: Path, start: float, end: float) -> dict:
         least = min(between, key=lambda s: s[1]) if between else None
         out["peak_used_gb"].append(max((s[1] for s in samples), default=0) / 2**30)
         for key, i in (("least_used_between_steps_gb", 1), ("reserved_then_gb", 2), ("allocated_then_gb", 3)):
-            out[key].append(least[i] / 2**30 if least is not None and len(least) > i else None)
+            out[key].append(least[i] / 2**30 if least is not None else None)
     return out if ranks else {}
 
 

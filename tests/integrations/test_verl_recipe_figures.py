@@ -48,10 +48,10 @@ def test_probe_reads_the_peak_and_the_level_held_between_steps(tmp_path, recipes
 
 def test_summary_gives_the_peak_ratio_and_odcs_extra_held_memory(tmp_path, recipes):
     probe, sft = recipes
-    write(tmp_path / "stock", 0, [(1, 10.0), (2, 1.0)])
-    write(tmp_path / "stock", 1, [(1, 9.0), (2, 1.5)])
-    write(tmp_path / "odc", 0, [(1, 10.5), (2, 1.25)])
-    write(tmp_path / "odc", 1, [(1, 9.0), (2, 1.75)])
+    write(tmp_path / "stock", 0, [(1, 10.0, 8, 7), (2, 1.0, 0.5, 0.25)])
+    write(tmp_path / "stock", 1, [(1, 9.0, 7, 6), (2, 1.5, 1, 0.5)])
+    write(tmp_path / "odc", 0, [(1, 10.5, 8, 7), (2, 1.25, 0.5, 0.25)])
+    write(tmp_path / "odc", 1, [(1, 9.0, 7, 6), (2, 1.75, 1, 0.5)])
     stock = {"device_memory": probe.read(tmp_path / "stock", 0, 3)}
     odc = {"device_memory": probe.read(tmp_path / "odc", 0, 3)}
     s = sft.memory_summary(stock, odc, "_straggler")

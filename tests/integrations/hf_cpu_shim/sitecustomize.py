@@ -22,10 +22,7 @@ import importlib.machinery
 import os
 import sys
 
-# As tests/integrations/fast_exit/sitecustomize.py (which this one shadows) does: at exit, after
-# the exit handlers registered later (odc's ODC_STATS_DIR writer among them), the objects are
-# left to the OS instead of collected (about 1 s of CPU a rank).
-atexit.register(gc.freeze)
+atexit.register(gc.freeze)  # as tests/integrations/fast_exit/sitecustomize.py, which this one shadows
 
 os.environ.setdefault("ACCELERATE_USE_CPU", "1")
 

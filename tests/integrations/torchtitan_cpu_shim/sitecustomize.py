@@ -25,10 +25,7 @@ import types
 import torch
 import torch._utils
 
-# As tests/integrations/fast_exit/sitecustomize.py (which this one shadows) does: at exit, after
-# the exit handlers registered later (odc's ODC_STATS_DIR writer among them), the objects are
-# left to the OS instead of collected (about 1 s of CPU a rank).
-atexit.register(gc.freeze)
+atexit.register(gc.freeze)  # as tests/integrations/fast_exit/sitecustomize.py, which this one shadows
 
 _device_module = torch._utils._get_device_module
 torch._utils._get_available_device_type = lambda: "cpu"

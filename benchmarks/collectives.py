@@ -14,7 +14,12 @@ ODC_TRANSPORT=nvshmem, whose every peer goes through NVSHMEM's on-stream calls
 (needs an ODC_WITH_NVSHMEM=1 build): odc over CUDA IPC, odc over NVSHMEM and
 NCCL side by side in one run. ``--reference odc-nocheck`` compares odc with an odc group
 that skips the cross-rank descriptor check (ODC_MATCH_CHECK=0) instead of NCCL: what the
-check costs, measurable where NCCL cannot run (ranks sharing one GPU).
+check costs, measurable where NCCL cannot run (ranks sharing one GPU). ``--nccl-best`` adds
+NCCL's symmetric kernels as a reference ("nccl_symmetric": an NCCL group whose buffers lie in a
+symmetric window, a MemPool of the group's allocator registered with
+register_mem_pool(pool, symm=True)), and ``--nccl-ce`` NCCL's copy-engine all-gather ("nccl_ce":
+the same under the zero-CTA policy); each is skipped, with a line saying why, where torch or
+NCCL lacks it.
 
 Measured, in bf16, for each size (size = total output bytes of the all-gather
 = total input bytes of the reduce-scatter; in-place all-gather as FSDP2 issues
@@ -69,6 +74,7 @@ import warnings  # noqa: E402
 from collectives_gemm import gemm_interference  # noqa: E402
 from collectives_measure import check, measure  # noqa: E402
 from collectives_report import plot_results, print_table, summarize, write  # noqa: E402
+from collectives_nccl import release_windows  # noqa: E402
 from collectives_setup import BenchContext, create_context, host_barrier  # noqa: E402
 from collectives_util import (CPU_DEFAULT_SIZES, DEFAULT_OUT_DIR, DEFAULT_SIZES, GiB, KiB, MiB,  # noqa: E402
                               OPS, REPO, engine_from_stats, parse_size, parse_sizes, size_label)
@@ -144,6 +150,7 @@ def run(ctx: BenchContext) -> bool:
         ctx.log(f"wrote {ctx.json_path}" + (f" and {png}" if png else ""))
     ok = not ctx.errors
     host_barrier(ctx)
+    release_windows(ctx)  # while their groups still exist
     ctx.dist.destroy_process_group()
     return ok
 
@@ -189,6 +196,20 @@ def parse_args(argv=None):
                         "allocate_tensor, zero-copy) and, against NCCL, NCCL with its own "
                         "(nccl_registered); the summary's per-size keys then describe odc_registered "
                         "and busbw_ratio_odc_registered_vs_nccl_registered compares the two")
+    p.add_argument("--nccl-best", action="store_true",
+                   help="against NCCL on CUDA, also measure nccl_symmetric where this torch and NCCL offer "
+                        "it: a group whose buffers lie in a symmetric window (a MemPool of its "
+                        "mem_allocator, register_mem_pool(pool, symm=True); NCCL >= 2.27's symmetric "
+                        "kernels); the summary adds busbw_ratio_odc_vs_nccl_best (nccl_best: the highest "
+                        "busbw of the NCCL variants measured, per op and size)")
+    p.add_argument("--nccl-ce", action="store_true",
+                   help="also measure nccl_ce: the same in a group under the zero-CTA policy (NCCL >= "
+                        "2.28's copy-engine all-gather, ranks on one host). With torch 2.11 and NCCL 2.28.9 "
+                        "on 4 x H200 its all-gather failed at its first call (NCCL: 'invalid argument' in "
+                        "its copy-engine code), so it is not part of --nccl-best")
+    p.add_argument("--nccl-debug-log", action="store_true",
+                   help="NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,ENV,TUNING before any group is made: NCCL "
+                        "logs its set-up and the algorithm / protocol it picks (per collective: long)")
     p.add_argument("--staged-push", action="store_true",
                    help="also measure an odc group whose staged all-gathers push into the peers' landing "
                         "rings (odc_staged_push: ODC_STAGED_AG_PUSH=1; busbw_ratio_odc_staged_push_vs_<ref>)")

@@ -7,7 +7,7 @@ import functools
 import traceback
 
 from collectives_setup import (BenchContext, all_gather, all_true, buffer, host_barrier, ops_per_trial,
-                               reduce_floats, reduce_scatter, time_loop)
+                               output_buffer, reduce_floats, reduce_scatter, time_loop)
 from collectives_util import engine_from_stats, median, percentile, size_label
 
 
@@ -65,8 +65,9 @@ def _check_reduce_scatter(ctx: BenchContext, res: dict, numel: int, shard: int):
         for b in ctx.order:
             o = torch.full((shard,), float("nan"), dtype=ctx.dtype, device=ctx.device)
             try:
+                o = output_buffer(ctx, b, o)
                 reduce_scatter(ctx, b, o, buffer(ctx, b, mine), op)
-                got[b] = o
+                got[b] = o.clone() if b in ctx.windows else o  # the window's slot is reused
             except Exception:  # noqa: BLE001
                 res[f"rs_{name}_error_{b}"] = traceback.format_exc(limit=3)
         _compare(ctx, res, f"rs_{name}", got, exp)
@@ -154,7 +155,8 @@ def _collective_calls(ctx: BenchContext, op: str, nbytes: int):
     inp = torch.randn(numel, device=ctx.device, dtype=torch.float32).to(ctx.dtype)
     out = torch.empty(shard, device=ctx.device, dtype=ctx.dtype)
     inps = {b: buffer(ctx, b, inp) for b in ctx.order}
-    return inp, {b: functools.partial(ctx.scatter, out, inps[b], op=ctx.dist.ReduceOp.SUM,
+    outs = {b: output_buffer(ctx, b, out) for b in ctx.order}
+    return inp, {b: functools.partial(ctx.scatter, outs[b], inps[b], op=ctx.dist.ReduceOp.SUM,
                                       group=ctx.groups[b]) for b in ctx.order}
 
 
@@ -221,6 +223,8 @@ def measure(ctx: BenchContext, op: str, nbytes: int, skip: set) -> list[dict]:
             row["engine"] = floors[b][1]
         elif ctx.cuda and b in engines:
             row.update({f"odc_{key}": v for key, v in engines[b].items()})
+        elif b in ctx.nccl_rows:  # its buffers and CTA policy (NCCL reports no SM count)
+            row.update(ctx.nccl_rows[b])
         rows.append(row)
     floor = _floor_row(rows, floors, op, ctx.world, nbytes // 2 // ctx.world)
     if floor:

@@ -25,6 +25,15 @@ def _has(by: dict, backend: str) -> bool:
     return any(k[1] == backend for k in by)
 
 
+NCCL_VARIANTS = ("nccl", "nccl_registered", "nccl_symmetric", "nccl_ce")
+
+
+def _nccl_best(by: dict, op: str, sz: int) -> dict | None:
+    """The row of the NCCL variant with the highest busbw at ``op`` and ``sz`` (None: none measured)."""
+    rows = [by[(op, b, sz)] for b in NCCL_VARIANTS if (op, b, sz) in by]
+    return max(rows, key=lambda r: r["busbw_GBps"]) if rows else None
+
+
 # --------------------------------------------------------------------------- summary
 def _vs_reference(by: dict, b: str, ref: str) -> dict:
     """busbw ratio of ``b`` to the reference per size, its least at >= 4 MiB, latency ratio at 1 MiB."""
@@ -54,6 +63,27 @@ def _registered_vs_registered(by: dict) -> dict:
         op: {size_label(sz): by[(op, "odc_registered", sz)]["busbw_GBps"] / by[(op, "nccl_registered", sz)]["busbw_GBps"]
              for sz in _sizes(by, op) if (op, "odc_registered", sz) in by and (op, "nccl_registered", sz) in by}
         for op in OPS}}
+
+
+def _vs_nccl_best(by: dict) -> dict:
+    """odc's (and odc_registered's) busbw over the best NCCL variant's, per op and size, and
+    which variant that was."""
+    if not any(_has(by, b) for b in NCCL_VARIANTS):
+        return {}
+    mine = [b for b in ("odc", "odc_registered") if _has(by, b)]
+    s: dict = {f"busbw_ratio_{b}_vs_nccl_best": {op: {} for op in OPS} for b in mine}
+    s["nccl_best_backend"] = {op: {} for op in OPS}
+    for op in OPS:
+        for sz in _sizes(by, op):
+            best = _nccl_best(by, op, sz)
+            if not best or not best["busbw_GBps"]:
+                continue
+            s["nccl_best_backend"][op][size_label(sz)] = best["backend"]
+            for b in mine:
+                if (op, b, sz) in by:
+                    s[f"busbw_ratio_{b}_vs_nccl_best"][op][size_label(sz)] = (
+                        by[(op, b, sz)]["busbw_GBps"] / best["busbw_GBps"])
+    return s
 
 
 def _odc_per_size(by: dict, primary: str, cuda: bool) -> dict:
@@ -137,6 +167,7 @@ def summarize(rows: list[dict], errors: list[str], order: list[str], ref: str, c
     for b in others:
         s.update(_vs_reference(by, b, ref))
     s.update(_registered_vs_registered(by))
+    s.update(_vs_nccl_best(by))
     s.update(_odc_summary(by, cuda))
     s["peak_busbw_GBps"] = {op: {b: max((r["busbw_GBps"] for k, r in by.items() if k[0] == op and k[1] == b),
                                         default=None) for b in order} for op in OPS}
@@ -207,6 +238,21 @@ def _print_backends(by: dict, order: list[str], ref: str):
                   + " | " + " ".join(_fmt(rows[b], "busbw_GBps", w, 1) for b in order) + " | " + ratios)
 
 
+def _print_nccl_best(by: dict):
+    """Per op and size: the best NCCL variant (highest busbw) and odc's busbw over it."""
+    mine = [b for b in ("odc", "odc_registered") if _has(by, b)]
+    print(f"\n{'op':<15}{'size':>8} | {'nccl_best':>15} {'busbw':>8} | "
+          + " ".join(f"{b + '/nccl_best':>24}" for b in mine))
+    for op in OPS:
+        for sz in _sizes(by, op):
+            best = _nccl_best(by, op, sz)
+            if not best:
+                continue
+            ratios = " ".join(f"{by[(op, b, sz)]['busbw_GBps'] / best['busbw_GBps']:24.2f}"
+                              if (op, b, sz) in by and best["busbw_GBps"] else f"{'n/a':>24}" for b in mine)
+            print(f"{op:<15}{size_label(sz):>8} | {best['backend']:>15} {best['busbw_GBps']:8.1f} | {ratios}")
+
+
 def _print_floor(by: dict):
     """Per op and size: odc (staged) against the floor, its host time and engine."""
     print(f"\n{'op':<15}{'size':>8} | {'odc us':>9} {'floor us':>9} {'floor by':>9} {'odc/floor':>9} | "
@@ -226,6 +272,8 @@ def print_table(ctx):
         return
     by = _by_key(ctx.rows)
     _print_backends(by, ctx.order, ctx.ref)
+    if sum(_has(by, b) for b in NCCL_VARIANTS) > 1:  # which NCCL path was best, per size
+        _print_nccl_best(by)
     if _has(by, "floor"):
         _print_floor(by)
     for g in (r for r in ctx.rows if r["op"] == "gemm"):
@@ -257,9 +305,10 @@ def plot_results(json_path: str | os.PathLike, png_path: str | os.PathLike | Non
               "odc_staged": dict(color="tab:brown", marker="<"),
               "odc_registered": dict(color="tab:purple", marker="D"),
               ref: dict(color="tab:blue", marker="s"), "nccl_registered": dict(color="tab:cyan", marker="x"),
+              "nccl_symmetric": dict(color="tab:olive", marker="P"), "nccl_ce": dict(color="tab:pink", marker="*"),
               "floor": dict(color="black", linestyle="--", marker=".")}
     backends = [b for b in ("odc", "odc_staged", "odc_staged_push", "odc_registered", "odc_nvshmem", ref, "nccl_registered",
-                            "floor") if any(r["backend"] == b for r in rows)]
+                            "nccl_symmetric", "nccl_ce", "floor") if any(r["backend"] == b for r in rows)]
     all_sizes = sorted({r["size_bytes"] for r in rows})
     for ax, op in zip(axes, OPS):
         for backend in backends:

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import torch_odc_backend  # registers "odc"; imported before CUDA initialises
 from _meta import git_commit, lab_info, machine_kind
-from collectives_util import MiB
-
+from collectives_nccl import NCCL_WINDOWED, Window, nccl_best_groups, nccl_row_fields
+from collectives_util import MiB, with_env
 
 @dataclass
 class BenchContext:
@@ -40,6 +40,9 @@ class BenchContext:
     json_path: Path | None = None
     rows: list = field(default_factory=list)
     errors: list = field(default_factory=list)
+    windows: dict = field(default_factory=dict)  # backend -> its Window (nccl_symmetric, nccl_ce)
+    notes: dict = field(default_factory=dict)  # backend -> how its group was made, where set up here
+    nccl_rows: dict = field(default_factory=dict)  # NCCL backend -> what its rows record about NCCL
 
     def others(self) -> list[str]:
         """The backends compared with the reference (odc, odc_nvshmem)."""
@@ -61,14 +64,22 @@ def create_context(args) -> BenchContext:
     ref = args.reference.replace("-", "_") if args.reference else ("nccl" if cuda else "gloo")
     use_odc = "odc" in backends
     timeout = datetime.timedelta(seconds=args.pg_timeout)
+    if getattr(args, "nccl_debug_log", False):
+        # NCCL reads these once, when its first communicator initialises: before any group
+        os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,ENV,TUNING")
     device, default_pg = _device_and_default_backend(torch, cuda, use_odc)
     dist.init_process_group(default_pg, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     nvshmem = _init_nvshmem(args, world)
     ref_pg = _reference_group(dist, ref, cuda, timeout)
     groups = _compared_groups(dist, args, ref, ref_pg, use_odc, device, timeout)
-    order = [b for b in ("odc", "odc_staged", "odc_staged_push", "odc_registered", "odc_nvshmem", ref, "nccl_registered")
-             if b in groups]
+    windows: dict = {}
+    notes: dict = {}
+    best = [n for n, flag in (("nccl_symmetric", "nccl_best"), ("nccl_ce", "nccl_ce")) if getattr(args, flag, False)]
+    if best:
+        groups.update(nccl_best_groups(torch, dist, args, ref, device, timeout, windows, notes, best))
+    order = [b for b in ("odc", "odc_staged", "odc_staged_push", "odc_registered", "odc_nvshmem", ref, "nccl_registered",
+                         *NCCL_WINDOWED) if b in groups]
     ctx = BenchContext(
         args=args, torch=torch, dist=dist, cuda=cuda, device=device, rank=rank, world=world,
         ref=ref, ref_pg=ref_pg, groups=groups, order=order,
@@ -76,7 +87,8 @@ def create_context(args) -> BenchContext:
         gather=getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
         scatter=getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
         odc_mod=torch_odc_backend if use_odc else None, nvshmem=nvshmem,
-        started=time.time(), dtype=torch.bfloat16)
+        started=time.time(), dtype=torch.bfloat16, windows=windows, notes=notes)
+    ctx.nccl_rows = nccl_row_fields(ctx)
     _describe_run(ctx, default_pg if use_odc else None)
     return ctx
 
@@ -100,20 +112,6 @@ def _init_nvshmem(args, world: int):
     return odc_nvshmem
 
 
-def _with_env(name: str, value: str, create: Callable):
-    """create() with os.environ[name] = value, then the old value back: odc's knobs are read
-    when a group is created."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return create()
-    finally:
-        if before is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = before
-
-
 def _reference_group(dist, ref: str, cuda: bool, timeout):
     if ref == "odc_nocheck":  # an odc group without the cross-rank descriptor check
         os.environ["ODC_MATCH_CHECK"] = "0"  # knobs are read when a group is created
@@ -129,7 +127,7 @@ def _compared_groups(dist, args, ref: str, ref_pg, use_odc: bool, device, timeou
     odc_backend = "cpu:gloo,cuda:odc" if device.type == "cuda" else "cpu:odc"
 
     def odc_group_under(knob: str, value: str):  # another odc group, made with one knob set
-        return _with_env(knob, value, lambda: dist.new_group(backend=odc_backend, timeout=timeout))
+        return with_env(knob, value, lambda: dist.new_group(backend=odc_backend, timeout=timeout))
 
     if use_odc:
         groups["odc"] = dist.group.WORLD
@@ -185,6 +183,7 @@ def _process_group_notes(ctx: BenchContext, odc_default_pg: str | None) -> dict:
     if "nccl_registered" in ctx.groups:
         notes["nccl_registered"] = ("the NCCL group, its buffers from its backend's "
                                     "allocate_tensor (NCCL's registered memory)")
+    notes.update(ctx.notes)  # nccl_symmetric, nccl_ce
     return notes
 
 
@@ -288,9 +287,11 @@ def ops_per_trial(args, nbytes: int) -> int:
 
 # --------------------------------------------------------------------------- buffers and calls
 def buffer(ctx: BenchContext, backend: str, like):
-    """``like`` itself, or for odc_registered / nccl_registered a copy of it in the group's
-    registered memory (its backend's allocate_tensor, as FSDP2 allocates its buffers when
-    asked to)."""
+    """``like`` itself, or a copy of it in the group's registered memory: for odc_registered /
+    nccl_registered its backend's allocate_tensor (as FSDP2 allocates its buffers when asked to),
+    for nccl_symmetric / nccl_ce its window (slot 0)."""
+    if backend in ctx.windows:
+        return ctx.windows[backend].view(like.numel()).copy_(like)
     if backend not in ("odc_registered", "nccl_registered"):
         return like
     b = ctx.groups[backend]._get_backend(ctx.device)
@@ -298,7 +299,30 @@ def buffer(ctx: BenchContext, backend: str, like):
     return t.copy_(like)
 
 
+def output_buffer(ctx: BenchContext, backend: str, like):
+    """A reduce-scatter's output: ``like`` itself, or for nccl_symmetric / nccl_ce a copy of it in
+    its window's slot 1 (NCCL's symmetric paths need both ends in the window)."""
+    if backend in ctx.windows:
+        return ctx.windows[backend].view(like.numel(), slot=1).copy_(like)
+    return like
+
+
+def _in_window(w: Window, t) -> bool:
+    start, size = w.flat.data_ptr(), w.flat.numel() * w.flat.element_size()
+    return start <= t.data_ptr() < start + size
+
+
 def all_gather(ctx: BenchContext, backend: str, out, inp):
+    """In-place all-gather. For a windowed backend, tensors outside its window (the GEMM part's)
+    are replaced by the same sizes in it: NCCL's symmetric paths need the window, and there
+    the output is not read."""
+    w = ctx.windows.get(backend)
+    if w is not None and not _in_window(w, out):
+        if out.numel() not in w.stand_ins:
+            shard = out.numel() // ctx.world
+            o = w.view(out.numel())
+            w.stand_ins[out.numel()] = (o, o[ctx.rank * shard:(ctx.rank + 1) * shard])
+        out, inp = w.stand_ins[out.numel()]
     ctx.gather(out, inp, group=ctx.groups[backend])
 
 

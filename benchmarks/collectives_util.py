@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 from pathlib import Path
+from typing import Callable
 
 import _meta
 
@@ -90,3 +92,17 @@ FLOOR_DEFINITION = (
 HOST_US_DEFINITION = ("host wall time per call to issue ops_per_trial back-to-back odc calls, "
                       "before any synchronisation (includes any blocking inside the call); per trial "
                       "the slowest rank, median over trials")
+
+
+def with_env(name: str, value: str, create: Callable):
+    """create() with os.environ[name] = value, then the old value back: odc's knobs are read
+    when a group is created."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return create()
+    finally:
+        if before is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before

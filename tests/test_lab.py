@@ -125,6 +125,39 @@ def test_collectives_cpu_floor_and_summary(tmp_path):
     by = {(r["op"], r["backend"]): r for r in doc["rows"] if "latency_us" in r}
     assert s["latency_us"]["all_gather"]["64KiB"] == by[("all_gather", "odc_registered")]["latency_us"]
     assert doc["odc_backend_stats"].get("registered_ops", 0) > 0, doc["odc_backend_stats"]
+    assert not any(k.startswith("nccl") or "nccl_best" in k for k in s)  # no NCCL: none of its keys
+
+
+def test_collectives_summary_against_the_best_nccl(tmp_path, capsys):
+    """--nccl-best's report: per op and size odc against the NCCL variant of the highest busbw,
+    which the summary names; the table and the PNG take the variants."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import collectives
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    busbw = {"odc": (100, 150), "odc_registered": (120, 160), "nccl": (80, 140), "nccl_registered": (90, 145),
+             "nccl_symmetric": (110, 130), "nccl_ce": (50, 200)}  # at 1 MiB, 64 MiB
+    rows = [{"op": op, "backend": b, "size_bytes": sz, "size": label, "latency_us": 10.0, "busbw_GBps": bw[i]}
+            for op in ("all_gather", "reduce_scatter") for b, bw in busbw.items()
+            for i, (sz, label) in enumerate(((MiB, "1MiB"), (64 * MiB, "64MiB")))]
+    order = list(busbw)
+    s = collectives.summarize(rows, [], order, "nccl", cuda=True)
+    assert s["nccl_best_backend"]["all_gather"] == {"1MiB": "nccl_symmetric", "64MiB": "nccl_ce"}
+    assert s["busbw_ratio_odc_vs_nccl_best"]["all_gather"] == {"1MiB": 100 / 110, "64MiB": 150 / 200}
+    assert s["busbw_ratio_odc_registered_vs_nccl_best"]["reduce_scatter"]["64MiB"] == 160 / 200
+    assert s["busbw_ratio_nccl_ce_vs_nccl"]["all_gather"]["64MiB"] == 200 / 140
+    args = collectives.parse_args(["--nccl-best", "--nccl-debug-log"])
+    assert args.nccl_best and args.nccl_debug_log
+    assert not any(vars(collectives.parse_args([])).get(k) for k in ("nccl_best", "nccl_debug_log"))
+    ctx = type("Ctx", (), dict(rank=0, rows=rows, errors=[], order=order, ref="nccl", cuda=True))()
+    collectives.print_table(ctx)
+    table = capsys.readouterr().out
+    assert "nccl_ce busbw" in table and "odc/nccl_best" in table
+    path = tmp_path / "collectives_x.json"
+    path.write_text(json.dumps({"reference_backend": "nccl", "rows": rows}))
+    pytest.importorskip("matplotlib")
+    assert collectives.plot_results(path).exists()
 
 
 # ---------------------------------------------------------------- the lab on a GPU

@@ -42,7 +42,7 @@ CUDA_SOURCES = ["csrc/cuda/ipc_memory.cpp", "csrc/cuda/cuda_transport.cpp", "csr
                 "csrc/cuda/steps.cpp", "csrc/cuda/error_record.cpp", "csrc/cuda/stream_memops.cpp",
                 "csrc/cuda/watchdog.cpp", "csrc/cuda/ring_order.cpp", "csrc/cuda/fused_engine.cpp",
                 "csrc/cuda/lane_streams.cpp", "csrc/cuda/copy_engines.cpp", "csrc/cuda/signals.cpp",
-                "csrc/cuda/put_graphs.cpp", "csrc/cuda/kernels.cu",
+                "csrc/cuda/put_graphs.cpp", "csrc/cuda/guessed_puts.cpp", "csrc/cuda/kernels.cu",
                 "csrc/cuda/wait_kernels.cu", "csrc/cuda/reduce_kernels.cu", "csrc/cuda/fused_kernel.cu",
                 "csrc/cuda/accumulate_kernel.cu", "csrc/cuda/located_kernels.cu",
                 "csrc/cuda/segment_table.cpp",

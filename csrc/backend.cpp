@@ -322,6 +322,7 @@ const char* stat_name(Stat s) {
       "all_gather_push_ops",
       "direct_ops",
       "direct_in_place_ops",
+      "direct_pushed_ops",
       "fused_ops",
       "fused_blocks",
       "copy_engine_ops",

@@ -66,6 +66,7 @@ enum class Stat : int {
   AllGatherPushOps,
   DirectOps,
   DirectInPlaceOps,
+  DirectPushedOps,
   FusedOps,
   FusedBlocks,
   CopyEngineOps,

@@ -74,6 +74,17 @@ uint64_t OdcBackend::issue_direct(Channel& ch, bool ag, const Tensors& t, const 
   const uint64_t where = ch.protocol->locate(t.in.data_ptr(), in_bytes);
   count(Stat::DirectOps, 1);
   if (where) count(Stat::DirectInPlaceOps, 1);
+  if (ag && ch.push_all_gather && options_->ag_push == 1) {
+    // Pushed, where asked for (ODC_AG_PUSH=1; reads measured faster on 4 x H200, performance.md):
+    // the peers write into this rank's output where every peer has it mapped. A push writes
+    // into a peer's memory: its descriptor is always checked, also with ODC_MATCH_CHECK=0.
+    const uint64_t out_where = ch.protocol->locate(t.out.data_ptr(), t.per_rank * getSize());
+    if (out_where) count(Stat::DirectPushedOps, 1);
+    const uint64_t d = op_desc(OpKind::AllGatherDirect, static_cast<int>(t.in.scalar_type()), t.per_rank, 0);
+    ch.protocol->all_gather_direct(t.out.data_ptr(), t.in.data_ptr(), t.per_rank, where, seq, d,
+                                   &out_where);
+    return t.per_rank * getSize();
+  }
   const uint64_t d = desc(ag ? OpKind::AllGatherDirect : OpKind::ReduceScatterDirect, t.in,
                           t.per_rank, red_op, !ag);
   if (ag) {

@@ -59,9 +59,11 @@ struct RegisteredId {
 #endif
 
 // Where the input of a direct collective (Protocol::all_gather_direct) lies, as its owner
-// stores it in each reader's window before its "ready": in the owner's allocator segment
-// `slot` of generation `gen` (SegmentTable: the readers have it mapped), `offset` bytes in; or,
-// with `mapped` clear, round by round in the owner's window (the staged fallback).
+// stores it in each reader's window before its "ready" (a pushed direct all-gather also says
+// so of a rank's output, for its peers to write their shards there): in the owner's allocator
+// segment `slot` of generation `gen` (SegmentTable: the readers have it mapped), `offset` bytes
+// in; or, with `mapped` clear, round by round in the owner's window (the staged fallback; for
+// an output: the rank reads its peers' shards itself).
 //   bit 63: mapped   bits 51-62: slot   bits 40-50: generation (low 11 bits)   bits 0-39: offset
 constexpr int kSegmentSlots = 1024;  // allocator segments a rank shares at once
 struct Location {
@@ -157,9 +159,10 @@ struct WindowLayout {
   // (zero-copy) collectives: RegReady[ring][peer] (the peer's input is ready for its n-th
   // registered collective on that ring) and RegDone[ring][peer] (the peer has read this
   // rank's input of it); ring 0 all-gathers, ring 1 reduce-scatters. Direct collectives use
-  // the same counters and store the peer's Location word in RegAgWhere / RegRsWhere[peer].
+  // the same counters and store the peer's Location word in RegAgWhere / RegRsWhere[peer];
+  // a pushed direct all-gather also stores where the peer's output lies in RegAgOut[peer].
   enum Flag : int { AgReady = 0, AgAck, RsReady, RsFree, RegAgReady, RegAgDone, RegRsReady,
-                    RegRsDone, RegAgWhere, RegRsWhere, kNumFlagArrays };
+                    RegRsDone, RegAgWhere, RegRsWhere, RegAgOut, kNumFlagArrays };
   enum Desc : int { AgDesc = 0, RsDesc, RegAgDesc, RegRsDesc, kNumDescArrays };
 
   WindowLayout() = default;

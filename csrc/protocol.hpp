@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <unordered_map>
 #include <exception>  // std::uncaught_exceptions
 #include <vector>
 
@@ -78,8 +79,16 @@ class Protocol {
   // device, so their hosts need no peer address and the ranks cannot disagree. Counters and
   // completion are the registered forms': a round is one registered number, and a call
   // completes once every peer is done reading this rank's input.
+  // Pushed (`out_where` set: the group pushes all-gathers, and then `desc` is always set): each
+  // rank also stores where its output lies (*out_where, 0 where not every peer has it mapped);
+  // once a peer said "ready", this rank writes its shard into that peer's output where its word
+  // says (push_located), or leaves it to the peer, whose word said "not mapped", to read. A rank
+  // whose output is mapped reads nothing and tells each peer "done" (for every round) after its
+  // push there, which is also after its last read of the peer's words; one whose output is not
+  // reads as above. Either way, each rank's "done" to a peer follows everything it did to the
+  // peer's input and output, so a call still completes at the "done" of every peer.
   void all_gather_direct(void* out, const void* in, size_t shard_bytes, uint64_t where,
-                         uint64_t op_seq, uint64_t desc = 0);
+                         uint64_t op_seq, uint64_t desc = 0, const uint64_t* out_where = nullptr);
   void reduce_scatter_direct(void* out, const void* in, size_t out_numel, size_t elem_size,
                              const ReduceSpec& spec, uint64_t where, uint64_t op_seq,
                              uint64_t desc = 0);
@@ -167,10 +176,16 @@ class Protocol {
   // first round (id.number) or in place. The owner's side of round r: in place, "ready" for
   // every round at the first; staged, once its readers are done with the last round (waited
   // at reads_site), `stage` issues this round's copies into its window, then "ready" for it.
+  // `out_where`: a pushed all-gather's output word, stored with the Location word.
   uint64_t direct_rounds(size_t bytes) const;
-  void direct_ready(Ring ring, uint64_t where, RegisteredId id, uint64_t desc, uint64_t ready);
+  // Where peer's output of pushed all-gather `number` is expected to lie (its Location word;
+  // 0: no guess), from what it published (ZeroCopyReads::published_output); `mine`: this rank's.
+  uint64_t guess_output(int peer, uint64_t number, uint64_t mine);
+  void direct_ready(Ring ring, uint64_t where, RegisteredId id, uint64_t desc, uint64_t ready,
+                    const uint64_t* out_where);
   void direct_round(Ring ring, uint64_t r, uint64_t rounds, uint64_t where, RegisteredId id,
-                    uint64_t desc, const WaitSite& reads_site, const std::function<void()>& stage);
+                    uint64_t desc, const WaitSite& reads_site, const std::function<void()>& stage,
+                    const uint64_t* out_where = nullptr);
 
   int rank_;
   int world_;
@@ -178,6 +193,7 @@ class Protocol {
   Transport* t_;
   ZeroCopyReads* zero_copy_;
   std::vector<uint64_t> ag_pub_;     // per owner: chunks it published into its AG ring
+  std::unordered_map<uint64_t, uint64_t> number_of_output_;  // pushed all-gathers: output word -> last call
   std::vector<uint64_t> rs_sent_;    // per peer: chunks this rank put into its landing ring
   std::vector<uint64_t> rs_landed_;  // per peer: chunks it put into this rank's landing ring
   std::vector<int> others_;             // every rank but this one (made once: used per call)

@@ -146,15 +146,17 @@ uint64_t Protocol::direct_rounds(size_t bytes) const {
 }
 
 void Protocol::direct_ready(Ring ring, uint64_t where, RegisteredId id, uint64_t desc,
-                            uint64_t ready) {
-  std::vector<uint64_t*> at, readies, descs;
+                            uint64_t ready, const uint64_t* out_where) {
+  std::vector<uint64_t*> at, outs, readies, descs;
   for (int p : others_) {
     at.push_back(flag_in(p, words_of(ring).where, rank_));
+    if (out_where) outs.push_back(flag_in(p, WindowLayout::RegAgOut, rank_));
     readies.push_back(flag_in(p, words_of(ring).ready, rank_));
     descs.push_back(desc_in(p, words_of(ring).desc, rank_, id.number - 1));
   }
-  if (ready == id.number || where) {  // the first round: where the input lies, what it is
+  if (ready == id.number || where) {  // the first round: where the input (and output) lies, what it is
     t_->store(0, at, where);
+    if (out_where) t_->store(0, outs, *out_where);
     if (desc) store_desc(0, descs, desc, id.encode());
   }
   t_->signal(0, readies, ready);
@@ -162,32 +164,38 @@ void Protocol::direct_ready(Ring ring, uint64_t where, RegisteredId id, uint64_t
 
 void Protocol::direct_round(Ring ring, uint64_t r, uint64_t rounds, uint64_t where, RegisteredId id,
                             uint64_t desc, const WaitSite& reads_site,
-                            const std::function<void()>& stage) {
+                            const std::function<void()>& stage, const uint64_t* out_where) {
   const uint64_t base = id.number - 1;
   if (where) {
-    if (r == 0) direct_ready(ring, where, id, desc, base + rounds);  // it lies in place: all at once
+    if (r == 0) direct_ready(ring, where, id, desc, base + rounds, out_where);  // in place: all at once
     return;
   }
   if (r) registered_finish(ring, others_, base + r, reads_site);  // its readers took the last round
   stage();
-  direct_ready(ring, 0, id, desc, base + r + 1);
+  direct_ready(ring, 0, id, desc, base + r + 1, out_where);
 }
 
 void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, uint64_t where,
-                                 uint64_t op_seq, uint64_t desc) {
+                                 uint64_t op_seq, uint64_t desc, const uint64_t* out_where) {
   char* out_b = static_cast<char*>(out);
   const char* in_b = static_cast<const char*>(in);
-  char* my_part = out_b + static_cast<size_t>(rank_) * shard_bytes;
+  const size_t mine = static_cast<size_t>(rank_) * shard_bytes;  // this rank's part of an output
+  char* my_part = out_b + mine;
   announce(desc);
   const size_t round = layout_.chunk_bytes * layout_.slots;
   const uint64_t rounds = direct_rounds(shard_bytes);
   const uint64_t base = registered_count(kAg);
-  const WaitSite reads{"all_gather", "the reads of this rank's input by", op_seq};
+  const bool pushes = out_where != nullptr;
+  const bool reads_peers = !pushes || *out_where == 0;  // else its peers push into its output
+  const WaitSite reads{"all_gather", reads_peers ? "the reads of this rank's input by"
+                                                 : "the reads of this rank's input or the pushes into its output by",
+                       op_seq};
   auto len_of = [&](uint64_t r) { return std::min(round, shard_bytes - std::min(r * round, shard_bytes)); };
   if (world_ > 1) {
     registered_count(kAg) += rounds;
     const RegisteredId id{0, base + 1};
     char* stage = t_->window(rank_) + layout_.ag_ring;
+    if (pushes && *out_where) zero_copy_->publish_output(base + 1, *out_where);
     // Round-major (each round's staging, then its reads), which keeps the order deadlock-free
     // when run in sequence: a rank's next staging waits only for reads its peers issued before
     // they wait for its next round.
@@ -199,23 +207,44 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
           t_->wait(0, acks, others_, ag_pub_[rank_], {"all_gather", "ring space held by", op_seq});
         }
         if (len_of(r)) t_->copy(0, stage, in_b + r * round, len_of(r));
-      });
+      }, out_where);
       for (int i = 1; i < world_; ++i) {  // each peer on its lane
+        if (!reads_peers && r > 0) break;  // its one round: the push
         const int p = (rank_ + i) % world_;
         const DescCheck check = registered_check(kAg, only_[p], id, desc);
         t_->wait(i, {flag_in(rank_, words_of(kAg).ready, p)}, only_[p], base + r + 1,
-                 {"all_gather", "the input of", op_seq}, r == 0 && desc ? &check : nullptr);
-        const Located src{flag_in(rank_, words_of(kAg).where, p), p,
-                                     t_->window(p) + layout_.ag_ring, r * round};
-        if (len_of(r)) {
+                 {"all_gather", pushes ? "the input or output of" : "the input of", op_seq},
+                 r == 0 && desc ? &check : nullptr);
+        if (pushes && r == 0 && shard_bytes) {  // this rank's shard into p's output, if p says where
+          const Located dst{flag_in(rank_, WindowLayout::RegAgOut, p), p, nullptr, mine};
+          zero_copy_->push_located(i, dst, in_b, shard_bytes, guess_output(p, base + 1, *out_where));
+        }
+        if (reads_peers && len_of(r)) {
+          const Located src{flag_in(rank_, words_of(kAg).where, p), p,
+                            t_->window(p) + layout_.ag_ring, r * round};
           zero_copy_->copy_located(i, out_b + static_cast<size_t>(p) * shard_bytes + r * round, src, len_of(r));
         }
-        registered_done(kAg, i, only_[p], base + r + 1);
+        registered_done(kAg, i, only_[p], reads_peers ? base + r + 1 : base + rounds);
       }
     }
   }
   if (my_part != in_b && shard_bytes) t_->copy(0, my_part, in_b, shard_bytes);
   if (world_ > 1) registered_finish(kAg, others_, base + rounds, reads);
+  if (pushes && *out_where) {  // for the peers' next guesses (guess_output)
+    if (number_of_output_.size() >= 4096) number_of_output_.clear();
+    number_of_output_[*out_where] = base + 1;
+  }
+}
+
+uint64_t Protocol::guess_output(int peer, uint64_t number, uint64_t mine) {
+  // The peer issued this call already: its word. Else the word it said the last time this
+  // rank's output lay where it lies now (ranks allocate alike, so their buffers recur alike).
+  uint64_t word = zero_copy_->published_output(peer, number);
+  if (!word && mine) {
+    auto it = number_of_output_.find(mine);
+    if (it != number_of_output_.end()) word = zero_copy_->published_output(peer, it->second);
+  }
+  return word;
 }
 
 void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel, size_t elem_size,

@@ -151,6 +151,17 @@ class ZeroCopyReads {
   virtual uint64_t locate(const void* p, size_t bytes) = 0;
   // Recorded in the transport's current operation, on its lanes.
   virtual void copy_located(int lane, void* dst, const Located& src, size_t bytes) = 0;
+  // The write the other way (a pushed direct all-gather): `bytes` of src into the buffer
+  // dst's owner said lies where its word says (plus dst.offset); nothing where the word says
+  // it is not mapped (that owner reads for itself). dst.staged is unused. `guess`: the word
+  // the owner is expected to say (published_output); where the device finds it did, the
+  // transport may write with a copy engine to the place the host found for it.
+  virtual void push_located(int lane, const Located& dst, const void* src, size_t bytes,
+                            uint64_t guess = 0) = 0;
+  // A pushed all-gather's output word, published by its owner as it issues call `number`, and
+  // a peer's as published under `number` (0: not known here).
+  virtual void publish_output(uint64_t number, uint64_t word) = 0;
+  virtual uint64_t published_output(int peer, uint64_t number) = 0;
   // dst[i] = combine of srcs[j][i] in order (reduce's semantics); srcs[j]'s owner is j.
   virtual void reduce_located(int lane, void* dst, const std::vector<Located>& srcs,
                               size_t numel, const ReduceSpec& spec) = 0;

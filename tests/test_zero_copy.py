@@ -5,7 +5,10 @@ has its segment mapped, and stage it until then (Protocol::all_gather_direct).
 Results must be bitwise those of the staged path (ODC_ZERO_COPY=0) whichever way each rank's
 input went, with ranks out of step, inputs spanning several staging rounds, memory that cannot be
 shared (expandable segments), and segments freed and allocated again between collectives
-(empty_cache): a peer must never read a segment through an old mapping. GPU only.
+(empty_cache): a peer must never read a segment through an old mapping. With ODC_AG_PUSH=1
+all-gathers push: each rank writes its shard into a peer's output where that peer said it lies
+(with the copy engines where its guess of that place holds), and a peer whose output is not
+mapped yet reads for itself; both at once within one call must give the same result. GPU only.
 """
 from __future__ import annotations
 
@@ -95,6 +98,7 @@ def test_direct_matches_staged_bitwise(world, skew):
         # except an empty all-gather (no memory to read).
         assert in_place_late == [0 if c[1] == 0 else 1 for c in CASES], (rank, in_place_late, stats)
         assert stats["direct_ops"] == 3 * len(CASES), (rank, stats)
+        assert "direct_pushed_ops" not in stats, (rank, stats)  # reads unless ODC_AG_PUSH=1
 
 
 def _rounds_worker(rank, world):
@@ -136,3 +140,81 @@ def test_rounds_and_freed_segments(world, alloc_conf):
             assert "direct_in_place_ops" not in stats, (rank, stats)
         else:
             assert stats.get("direct_in_place_ops", 0) > 0, (rank, stats)
+
+
+def _mixed_outputs_worker(rank, world):
+    """Pushed all-gathers where, in every call, half the ranks have an output in a new segment
+    (not mapped by the peers yet: they read for themselves) and half reuse theirs (their peers
+    push into it); inputs in place and not, of one and of several staging rounds."""
+    dev = _device()
+    os.environ["ODC_ZERO_COPY"] = "0"
+    staged = dist.new_group(list(range(world)))
+    os.environ.pop("ODC_ZERO_COPY")
+    pushed = lambda: dict(dist.group.WORLD._get_backend(dev).stats()).get("direct_pushed_ops", 0)
+    errors, pushed_calls = [], []
+    for step in range(4):
+        # fp32: 12 MB per rank (7 rounds of 2 MiB; the copy engines) and 1.2 MB (the fused kernel)
+        n = [3_000_000, 300_000][step % 2]
+        for in_place in (True, False):
+            case = ("ag", n, F32, in_place)
+            out, inp = _inputs(dev, case, 31 * step + in_place)
+            ref = out.clone()
+            _call(case, ref, inp, staged)
+            for k in range(4):
+                fresh = (rank + k) % 2 == 0
+                if fresh and k:  # a new segment (the cache emptied): its peers have not mapped it
+                    keep = inp.clone() if not in_place else out[rank * n:(rank + 1) * n].clone()
+                    del out, inp
+                    torch.cuda.empty_cache()
+                    out, inp = torch.empty(world * n, dtype=F32, device=dev), None
+                    inp = out[rank * n:(rank + 1) * n] if in_place else torch.empty(n, dtype=F32, device=dev)
+                    inp.copy_(keep)
+                    del keep
+                if not in_place:
+                    out.fill_(0)
+                before = pushed()
+                _call(case, out, inp, None)
+                torch.cuda.synchronize()
+                pushed_calls.append(pushed() - before)
+                if not torch.equal(out.view(torch.uint8), ref.view(torch.uint8)):
+                    errors.append(f"step {step} in place {in_place} call {k}: differs from the staged path")
+                dist.barrier()
+            del out, inp, ref
+    errors += _alternating_outputs(dev, staged, world, rank)
+    return errors, pushed_calls
+
+
+def _alternating_outputs(dev, staged, world, rank):
+    """Rank 1 alternates between two outputs, both mapped by its peers, while theirs stay: a
+    peer that guesses where rank 1's output lies from the last call with its own output (the
+    other buffer) guesses wrong, unless rank 1 issued the call first; either way the result
+    must be exact (a wrong guess is never written to)."""
+    errors, n = [], 3_000_000
+    outs = [torch.empty(world * n, dtype=F32, device=dev) for _ in range(2 if rank == 1 else 1)]
+    inp = torch.randn(n, generator=torch.Generator().manual_seed(5 + rank)).to(dev)
+    ref = torch.empty(world * n, dtype=F32, device=dev)
+    _call(("ag", n, F32, False), ref, inp, staged)
+    for k in range(8):
+        out = outs[k % len(outs)]
+        out.fill_(0)
+        if rank == 1:
+            time.sleep(0.002 * (k % 3))  # rank 1 issues first in some calls, last in others
+        _call(("ag", n, F32, False), out, inp, None)
+        torch.cuda.synchronize()
+        if not torch.equal(out.view(torch.uint8), ref.view(torch.uint8)):
+            errors.append(f"alternating outputs, call {k}: differs from the staged path")
+        dist.barrier()
+    return errors
+
+
+@pytest.mark.parametrize("world", [cuda_case(2, gpus=2, id="cuda-2"), cuda_case(4, gpus=4, id="cuda-4")])
+def test_pushed_and_read_outputs_in_one_call(world):
+    env = {**GPU_ENV, "ODC_CHUNK_BYTES": "1M", "ODC_RING_SLOTS": "2", "ODC_AG_PUSH": "1"}
+    res = run_distributed(_mixed_outputs_worker, world, backend="cpu:gloo,cuda:odc", env=env,
+                          timeout_s=60, deadline_s=240)
+    for rank, (errors, _) in res.items():
+        assert not errors, f"rank {rank}: " + "\n".join(errors)
+    # Calls where some ranks' peers pushed into their outputs and other ranks read for themselves.
+    calls = list(zip(*(pushed for _, pushed in res.values())))
+    mixed = [i for i, c in enumerate(calls) if len(set(c)) == 2]
+    assert len(mixed) >= 4, calls

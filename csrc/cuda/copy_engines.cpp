@@ -33,6 +33,10 @@ CopyEngines::CopyEngines(int world, const Options& o, StreamMemops memops)
       lanes_(world),
       pending_(world) {}
 
+CopyEngines::~CopyEngines() {
+  if (guessed_done_) (void)cudaEventDestroy(guessed_done_);
+}
+
 Transport::EngineUse CopyEngines::run(StepRecording& r, const OpEnv& env, EventPool& events,
                                       Watchdog* watchdog) {
   const std::vector<PutGraphs::Run> puts = puts_.prepare(r, env);
@@ -45,7 +49,7 @@ Transport::EngineUse CopyEngines::run(StepRecording& r, const OpEnv& env, EventP
     check(cudaEventRecord(start, env.stream), "recording an event");
   }
   if (!one_lane) lanes_.record_fork();
-  Issue op{r, env, std::vector<bool>(world_, false), 0, {}, {}};
+  Issue op{r, env, std::vector<bool>(world_, false), std::vector<int>(world_, 0)};
   size_t next_puts = 0;
   for (size_t i = 0; i < r.size(); ++i) {
     if (r.steps()[i].guarded) {  // a run of puts: one graph on the op stream
@@ -65,10 +69,13 @@ Transport::EngineUse CopyEngines::run(StepRecording& r, const OpEnv& env, EventP
     check(cudaEventRecord(end, env.stream), "recording an event");
     watchdog->track(start, end, std::move(op.waits), env.watch);
   }
-  // The SMs it may hold at once: its largest reduction, and a flag kernel per lane that ran one.
+  // The SMs it may hold at once: each lane's largest kernel (lanes run at once), and a flag
+  // kernel per lane that ran one.
+  int blocks = 0;
+  for (int b : op.lane_blocks) blocks += b;
   return Transport::EngineUse{
       Transport::EngineUse::kCopyEngine,
-      op.reduce_blocks + static_cast<int>(std::count(op.flagged.begin(), op.flagged.end(), true))};
+      blocks + static_cast<int>(std::count(op.flagged.begin(), op.flagged.end(), true))};
 }
 
 void CopyEngines::issue_step(Issue& op, const Step& s) {
@@ -100,8 +107,13 @@ void CopyEngines::issue_step(Issue& op, const Step& s) {
     case kStepReduceLocated:
       issue_reduce(op, lane, *s.as_reduction(), s.as<LocatedReduceStep>());
       break;
-    case kStepCopyLocated:
-      issue_located_copy(op, lane, *s.as<LocatedCopyStep>());
+    case kStepCopyLocated: {
+      const LocatedCopyStep& c = *s.as<LocatedCopyStep>();
+      issue_located_copy(op, lane, c.dst, c.src, false, c.bytes, c.site);
+      break;
+    }
+    case kStepPushLocated:
+      issue_push(op, lane, *s.as<LocatedPushStep>());
       break;
     case kStepAccumulate: {  // never to a routed peer: refused when the arena is created
       const AccumulateStep& a = *s.as<AccumulateStep>();
@@ -208,24 +220,77 @@ void CopyEngines::issue_reduce(Issue& op, int lane, const ReduceStep& s,
   // (about 51 against 73 GB/s per block, H100); from this GPU's memory the register kernel is
   // as fast or faster (reduce_kernels.cu).
   const bool bulk = spec.reads_peers && peers_on_other_gpus_;
-  op.reduce_blocks = std::max(op.reduce_blocks, reduce_grid(args.numel, reduce_blocks_));
+  op.lane_blocks[lane] = std::max(op.lane_blocks[lane], reduce_grid(args.numel, reduce_blocks_));
   check(launch_reduce(args, spec.dtype, spec.combine, reduce_blocks_, bulk, lanes_.stream(lane)),
         "launching the reduction");
 }
 
-// A located copy: an SM kernel of ODC_REDUCE_BLOCKS blocks at most (its source is known only
-// on the device, after the owner's "ready").
-void CopyEngines::issue_located_copy(Issue& op, int lane, const LocatedCopyStep& s) {
+// The operation's pushes with a guessed place (each after the wait on its lane), at the first
+// of them: one graph on the operation's stream, after every signal issued before it ("ready"
+// among them), and an event after it for the lanes.
+void CopyEngines::launch_guessed(Issue& op) {
+  const std::vector<Step>& steps = op.r.steps();
+  std::vector<GuessedPuts::Put> puts;
+  const WaitStep* first = nullptr;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const LocatedPushStep* s = steps[i].as<LocatedPushStep>();
+    if (!s || !s->guess_at) continue;
+    const WaitStep* w = nullptr;  // the wait before it on its lane
+    for (size_t j = i; j-- > 0 && !w;) {
+      if (steps[j].lane == steps[i].lane) w = steps[j].as<WaitStep>();
+    }
+    if (!w || w->counters.n != 1 || (first && (w->target != first->target || w->desc != first->desc ||
+                                               w->checked != first->checked))) {
+      throw std::logic_error("odc: guessed pushes wait for one peer each, for the same number");
+    }
+    first = first ? first : w;
+    puts.push_back({s->guess_at, s->src, s->bytes, op.r.counter(w->counters.first),
+                    w->checked ? op.r.counter(w->counters.first + 1) : nullptr,
+                    op.r.peer(w->counters.first), s->dst.where, s->guess});
+    op.guessed.push_back(s);
+  }
+  flush_all_signals(op);
+  op.guess_serial = ++guess_serial_;
+  op.guess_hits = guessed_.launch(op.env.stream, puts, wait_check(*first, op.env), op.guess_serial);
+  if (!guessed_done_) check(cudaEventCreateWithFlags(&guessed_done_, cudaEventDisableTiming), "creating an event");
+  check(cudaEventRecord(guessed_done_, op.env.stream), "recording an event");
+}
+
+// A push: with a guess of the destination, a copy engine's copy behind a gate that checks it
+// (launch_guessed), then the SM copy, which writes only where the guess missed.
+void CopyEngines::issue_push(Issue& op, int lane, const LocatedPushStep& s) {
+  Located to = s.dst;
+  to.staged = nullptr;  // a peer whose output is not mapped here: nothing to write
+  const uint64_t* hit = nullptr;
+  if (s.guess_at) {
+    if (!op.guess_hits) launch_guessed(op);
+    const size_t k = std::find(op.guessed.begin(), op.guessed.end(), &s) - op.guessed.begin();
+    prepare(op, lane);
+    check(cudaStreamWaitEvent(lanes_.stream(lane), guessed_done_, 0), "waiting for an event");
+    hit = op.guess_hits + k;
+  }
+  issue_located_copy(op, lane, const_cast<void*>(s.src), to, true, s.bytes, s.site, hit, op.guess_serial);
+}
+
+// A located copy or push: an SM kernel of ODC_REDUCE_BLOCKS blocks at most (the peer's address
+// is known only on the device, after its "ready"). With `hit`, its blocks leave at once where
+// the guessed push copied already: it then holds no SM for long (counted as the gate's one).
+void CopyEngines::issue_located_copy(Issue& op, int lane, void* local, const Located& far,
+                                     bool push, size_t bytes, const WaitSite& site,
+                                     const uint64_t* hit, uint64_t serial) {
   prepare(op, lane);
   LocatedCopyOp c{};
-  c.dst = s.dst;
-  c.src = LocatedSrc{s.src.where, s.src.staged, s.src.offset, s.src.owner};
-  c.bytes = s.bytes;
+  c.local = local;
+  c.far = LocatedRef{far.where, far.staged, far.offset, far.owner};
+  c.push = push;
+  c.hit = hit;
+  c.serial = serial;
+  c.bytes = bytes;
   c.segments = op.env.segments;
   c.err = op.env.err;
-  c.op_seq = s.site.op_seq;
-  c.op = s.site.op;
-  op.reduce_blocks = std::max(op.reduce_blocks, reduce_blocks_);
+  c.op_seq = site.op_seq;
+  c.op = site.op;
+  op.lane_blocks[lane] = std::max(op.lane_blocks[lane], hit ? 1 : located_grid(bytes, reduce_blocks_));
   check(launch_located_copy(c, reduce_blocks_, lanes_.stream(lane)), "launching a located copy");
 }
 

@@ -4,12 +4,13 @@
 // are waited on and signalled with stream memory operations (stream_memops.hpp: no SM is held
 // while a lane waits; the watchdog times them out), or by one-warp flag kernels where the
 // device lacks them; the owner's reduction is a kernel with a bounded number of blocks; puts
-// run as CUDA graphs (put_graphs.hpp).
+// run as CUDA graphs (put_graphs.hpp), as do pushes to a guessed place (guessed_puts.hpp).
 #pragma once
 
 #include <vector>
 
 #include "event_pool.hpp"
+#include "guessed_puts.hpp"
 #include "lane_streams.hpp"
 #include "op_env.hpp"
 #include "put_graphs.hpp"
@@ -26,6 +27,9 @@ class CopyEngines {
     bool peers_on_other_gpus;    // some peer's memory is across NVLink
   };
   CopyEngines(int world, const Options& o, StreamMemops memops);
+  ~CopyEngines();
+  CopyEngines(const CopyEngines&) = delete;
+  CopyEngines& operator=(const CopyEngines&) = delete;
 
   // Runs `r` on env.stream (its lanes merged where its data moves on one). The watchdog, where
   // the waits are stream memory operations, watches them from `events`' start to end.
@@ -38,16 +42,23 @@ class CopyEngines {
     const StepRecording& r;
     const OpEnv& env;
     std::vector<bool> flagged;         // lanes that ran a flag kernel
-    int reduce_blocks = 0;             // its largest reduction's grid
+    std::vector<int> lane_blocks;      // per lane: its largest kernel's grid
     std::vector<WatchedWait> waits;    // its stream waits, for the watchdog
     std::vector<uint64_t*> words;      // scratch: a signal step's counters
+    std::vector<const LocatedPushStep*> guessed;  // its pushes to guessed places (launch_guessed)
+    const uint64_t* guess_hits = nullptr;          // their hit words, once launched
+    uint64_t guess_serial = 0;
   };
   void issue_step(Issue& op, const Step& s);
   void launch_flags(Issue& op, int lane, const WaitStep* wait);
   void prepare(Issue& op, int lane);  // before a data step: pending signals, the lane forked
   void issue_copy(Issue& op, int lane, const CopyStep& c);
   void issue_reduce(Issue& op, int lane, const ReduceStep& s, const LocatedReduceStep* located);
-  void issue_located_copy(Issue& op, int lane, const LocatedCopyStep& s);
+  void issue_push(Issue& op, int lane, const LocatedPushStep& s);
+  void launch_guessed(Issue& op);
+  void issue_located_copy(Issue& op, int lane, void* local, const Located& far, bool push,
+                          size_t bytes, const WaitSite& site, const uint64_t* hit = nullptr,
+                          uint64_t serial = 0);
   // Signals (signals.cpp): batched per lane into the lane's next flag kernel, or written at once
   // as stream memory operations.
   void flush_signals(Issue& op, int lane);
@@ -64,6 +75,9 @@ class CopyEngines {
   StreamMemops memops_;
   LaneStreams lanes_;
   PutGraphs puts_;
+  GuessedPuts guessed_;
+  uint64_t guess_serial_ = 0;             // one per operation with guessed pushes (their hit words)
+  cudaEvent_t guessed_done_ = nullptr;    // after an operation's guessed pushes' graph
   // Signals issued on a lane are folded into that lane's next wait kernel (unless a wait on
   // another lane comes first: then they go out on their own kernel before it): up to
   // kSignalBatches batches of words, each with its value; the payload batches are stored

@@ -103,6 +103,21 @@ uint64_t CudaTransport::locate(const void* p, size_t bytes) {
   return segments_ ? segments_->locate(p, bytes) : 0;
 }
 
+void CudaTransport::push_located(int lane, const Located& dst, const void* src, size_t bytes,
+                                 uint64_t guess) {
+  // The guess's place here: valid while the owner's call is in flight (SegmentTable).
+  char* at = guess && segments_ ? segments_->mapping_of(dst.owner, guess, dst.offset, bytes) : nullptr;
+  recording_.push_located(lane, dst, src, bytes, at ? guess : 0, at);
+}
+
+void CudaTransport::publish_output(uint64_t number, uint64_t word) {
+  if (segments_) segments_->publish_output(number, word);
+}
+
+uint64_t CudaTransport::published_output(int peer, uint64_t number) {
+  return segments_ ? segments_->published_output(peer, number) : 0;
+}
+
 void CudaTransport::put_after(int lane, const uint64_t* flag, int peer, uint64_t target,
                               const WaitSite& site, const DescCheck* check, void* dst,
                               const void* src, size_t bytes, uint64_t* done) {

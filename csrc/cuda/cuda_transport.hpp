@@ -73,6 +73,10 @@ class CudaTransport final : public Transport, public ZeroCopyReads, public Arena
   void copy_located(int lane, void* dst, const Located& src, size_t bytes) override {
     recording_.copy_located(lane, dst, src, bytes);
   }
+  void push_located(int lane, const Located& dst, const void* src, size_t bytes,
+                    uint64_t guess) override;
+  void publish_output(uint64_t number, uint64_t word) override;
+  uint64_t published_output(int peer, uint64_t number) override;
   void reduce_located(int lane, void* dst, const std::vector<Located>& srcs, size_t numel,
                       const ReduceSpec& spec) override {
     recording_.reduce_located(lane, dst, srcs, numel, spec);

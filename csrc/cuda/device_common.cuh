@@ -122,17 +122,22 @@ __device__ bool check_desc(const uint64_t* desc, unsigned long long expected,
 // nothing, once the group has failed (a failed wait of the copy-engine path does not stop the
 // stream: the word may be another call's) or where the word names a segment this GPU has not
 // mapped or a range past its end (recorded as code 4: the owner names only segments its peers
-// acknowledged, so that is a bug, never a race).
+// acknowledged, so that is a bug, never a race). A word that says "not mapped" gives `staged`
+// and sets *unmapped (a push's destination: staged null, nothing to write).
 __device__ const char* resolve_located(const uint64_t* where, int owner, const char* staged,
                                        unsigned long long offset, unsigned long long len,
                                        const SegmentView* segments, DeviceError* err,
                                        unsigned long long op_seq, const char* op,
                                        bool after_failure_check = true,
-                                       unsigned long long announced = 0) {
+                                       unsigned long long announced = 0,
+                                       bool* unmapped = nullptr) {
   // (the fused kernel stops at a failed wait itself: no read of the host-side record there)
   if (after_failure_check && static_cast<volatile DeviceError*>(err)->code != 0) return nullptr;
   const Location loc = Location::decode(load_acquire(where));
-  if (!loc.mapped) return staged;
+  if (!loc.mapped) {
+    if (unmapped) *unmapped = true;
+    return staged;
+  }
   const volatile SegmentView* v = segments + static_cast<size_t>(owner) * kSegmentSlots + loc.slot;
   const char* base = v->base;
   const unsigned long long have = v->gen;

@@ -123,6 +123,11 @@ void FusedEngine::encode(const Step& s, FusedStep& f, FusedOp& op) const {
     f.owner = static_cast<uint16_t>(lc->src.owner);
     f.located = FusedLocated{lc->src.where, lc->src.offset};
     f.value = lc->bytes;
+  } else if (auto* lp = s.as<LocatedPushStep>()) {
+    f.src = lp->src;
+    f.owner = static_cast<uint16_t>(lp->dst.owner);
+    f.located = FusedLocated{lp->dst.where, lp->dst.offset};
+    f.value = lp->bytes;
   }
 }
 

@@ -58,7 +58,8 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, int parts) {
 // peer overwrite it).
 __device__ __forceinline__ bool needs_all_blocks(const FusedStep& s) {
   return s.kind == kStepCopy || s.kind == kStepReduce || s.kind == kStepCopyLocated ||
-         s.kind == kStepReduceLocated || (s.kind == kStepWait && s.check.desc != 0);
+         s.kind == kStepReduceLocated || s.kind == kStepPushLocated ||
+         (s.kind == kStepWait && s.check.desc != 0);
 }
 
 // A signal point of a lane: the run of stores (payloads, first: FusedEngine::lane_order puts them so) and
@@ -128,6 +129,27 @@ __device__ const void* located_source(const FusedOp& op, const FusedStep& s, int
                : staged;
 }
 
+// This block's part of a push: the destination from its owner's word (thread 0, into `to`, a
+// shared slot); nothing where the word says the owner reads for itself. False where it failed.
+__device__ bool push_step(const FusedOp& op, const FusedStep& s, int part, int parts,
+                          const void*& to, int& failed) {
+  if (threadIdx.x == 0) {
+    bool unmapped = false;
+    to = resolve_located(s.located.where, s.owner, nullptr, s.located.offset, s.value, op.segments,
+                         op.err, op.op_seq, op.op, false, op.watch_slots ? op.watch_word : 0, &unmapped);
+    if (!to && !unmapped) failed = 1;
+  }
+  __syncthreads();
+  if (failed) return false;
+  if (to) {
+    size_t b, e;
+    slice_of(s.value, 16, part, parts, &b, &e);
+    block_copy(static_cast<char*>(const_cast<void*>(to)) + b, static_cast<const char*>(s.src) + b, e - b);
+  }
+  __syncthreads();  // every thread is done with `to` before a next step refills it
+  return true;
+}
+
 __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_constant__ FusedOp op) {
   __shared__ int failed, leave;
   __shared__ const void* located[kMaxPeers];  // a located step's sources, resolved
@@ -193,6 +215,9 @@ __global__ void __launch_bounds__(kFusedThreads) fused_kernel(const __grid_const
         __syncthreads();  // every thread is done with `located` before a next step refills it
         break;
       }
+      case kStepPushLocated:
+        if (!push_step(op, s, part, parts, located[0], failed)) return;  // recorded; nothing written
+        break;
       default:  // accumulate / zero steps are never fused
         break;
     }

@@ -93,6 +93,23 @@ struct GateOp {
   cudaGraphConditionalHandle cond;
 };
 
+// The gate of an operation's pushes to guessed places (guessed_puts.hpp): it waits for every
+// peer's counter and checks its descriptor as a put's gate (GateOp); then, where all passed,
+// for each push whose peer's word at where[i] equals guess[i], hits[i] = serial and cond[i] is
+// set. A failed wait or check sets none.
+struct GuessGateOp {
+  const uint64_t* flag[kMaxGatePeers];
+  const uint64_t* desc[kMaxGatePeers];
+  int peer[kMaxGatePeers];
+  const uint64_t* where[kMaxGatePeers];
+  unsigned long long guess[kMaxGatePeers];
+  cudaGraphConditionalHandle cond[kMaxGatePeers];
+  int n;
+  WaitCheck check;
+  uint64_t* hits;
+  unsigned long long serial;
+};
+
 // The signals of the puts behind one gate, in its conditional node after their copies: one
 // fence (the copies completed before this kernel started), then done[i] = go[i].
 struct PutSignalOp {
@@ -112,7 +129,7 @@ struct SegmentView {
 // Located (../transport.hpp) on the device: after the wait for its owner's "ready", the owner's Location
 // word at `where` says whether the source is the owner's segment (its mapping here, at the
 // word's offset plus `offset`) or `staged` (resolve_located, device_common.cuh).
-struct LocatedSrc {
+struct LocatedRef {
   const uint64_t* where;
   const char* staged;
   unsigned long long offset;
@@ -120,10 +137,14 @@ struct LocatedSrc {
 };
 
 // A located copy on the copy-engine path: an SM kernel (a copy engine needs its source when
-// the copy is enqueued).
+// the copy is enqueued): from `far` (a peer's memory, where its word says) to `local`; with
+// `push` the other way (far: a peer's output, or nowhere where its word says "not mapped").
 struct LocatedCopyOp {
-  void* dst;
-  LocatedSrc src;
+  void* local;
+  LocatedRef far;
+  bool push;
+  const uint64_t* hit;        // set: nothing to do where *hit == serial (GuessedPuts copied it)
+  unsigned long long serial;
   unsigned long long bytes;
   const SegmentView* segments;  // [world][kSegmentSlots]
   DeviceError* err;
@@ -157,11 +178,12 @@ struct ReduceOpArgs {
 // counter in `arrivals`) stores the point's payloads and counters and becomes the lane's
 // leader, which signals the points without data (fused_kernel.cu). (kStepAccumulate and
 // kStepZero run on the copy-engine path only, never fused.) The located steps
-// (ZeroCopyReads::copy_located, reduce_located): a copy's source is `located` with `owner`
-// (and src, its staged address); a reduction has its n staged sources, then their n Location
+// (ZeroCopyReads::copy_located, reduce_located, push_located): a copy's source is `located`
+// with `owner` (and src, its staged address); a push's destination is `located` with `owner`
+// (src its source, dst unused); a reduction has its n staged sources, then their n Location
 // words (null: the source itself), in ptrs, and located.offset.
 enum StepKind : uint8_t { kStepWait = 0, kStepSignal, kStepCopy, kStepReduce, kStepAccumulate, kStepZero,
-                         kStepStore, kStepCopyLocated, kStepReduceLocated };
+                         kStepStore, kStepCopyLocated, kStepReduceLocated, kStepPushLocated };
 
 // A wait's check (DescCheck): the descriptor each awaited peer stored (0: unchecked), at
 // ptrs[first + n + i], with the id `id`.
@@ -181,12 +203,12 @@ struct FusedStep {
   uint8_t dtype;             // reduce: DType
   uint16_t n;                // wait/signal/store: counters (words); reduce: sources
   uint16_t first;            // first entry of this step in FusedOp::ptrs / peers
-  uint16_t owner;            // located copy: its source's owner
+  uint16_t owner;            // located copy: its source's owner (push: its destination's)
   float scale;               // reduce
   unsigned long long value;  // wait target, signal value, copy bytes or reduce numel
   union {
     FusedCheck check;        // wait
-    FusedLocated located;    // located copy and reduction
+    FusedLocated located;    // located copy, push and reduction
   };
   void* dst;
   const void* src;
@@ -233,8 +255,9 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream);
 // A graph kernel node's parameters that run the gate kernel with args = {GateOp*} (both must
 // live until the node is added or its parameters set: the argument is copied then).
 cudaKernelNodeParams gate_node_params(void** args);
-// The same for the signal kernel, args = {PutSignalOp*}.
+// The same for the signal kernel, args = {PutSignalOp*}, and a guessed push's gate, {GuessGateOp*}.
 cudaKernelNodeParams put_signal_node_params(void** args);
+cudaKernelNodeParams guess_gate_node_params(void** args);
 // Load every kernel's module now. Under lazy loading (PyTorch's default) the
 // first launch of a kernel may wait for the kernels already running, and a
 // running flag kernel may be waiting for a peer that is itself stuck loading:
@@ -247,8 +270,9 @@ cudaError_t launch_reduce(const ReduceOpArgs& args, DType dtype, Combine combine
                           bool bulk, cudaStream_t stream);
 // The blocks launch_reduce runs a reduction of `numel` elements on, at most `blocks`.
 int reduce_grid(size_t numel, int blocks);
-// A located copy with `blocks` blocks (at most; fewer for a small copy).
+// A located copy (or push) with located_grid(op.bytes, blocks) blocks (fewer for a small copy).
 cudaError_t launch_located_copy(const LocatedCopyOp& op, int blocks, cudaStream_t stream);
+int located_grid(size_t bytes, int blocks);
 // dst[i] += src[i] with system-scope atomics (dst may be a peer's memory; other GPUs add
 // into it concurrently); src in `dtype`, dst fp32.
 cudaError_t launch_accumulate(float* dst, const void* src, size_t numel, DType dtype, int blocks,

@@ -1,6 +1,7 @@
 // Layer 2, a transport's kernels (kernels.cuh): the located copy of the copy-engine path, a
-// direct collective's read of a peer's input from where the peer said it lies (an SM copy: a
-// copy engine needs its source when the copy is enqueued, before the peer has said).
+// direct collective's read of a peer's input from where the peer said it lies, or its push
+// into a peer's output where the peer said that lies (an SM copy: a copy engine needs both
+// addresses when the copy is enqueued, before the peer has said).
 #include "device_common.cuh"
 
 namespace odc {
@@ -11,24 +12,32 @@ constexpr int kLocatedThreads = 512;
 constexpr size_t kLocatedBytesPerBlock = 1 << 20;
 
 __global__ void __launch_bounds__(kLocatedThreads) located_copy_kernel(const __grid_constant__ LocatedCopyOp op) {
-  __shared__ const char* src;
+  __shared__ const char* far;  // the peer's side: the source, or a push's destination
+  if (op.hit && *static_cast<const volatile uint64_t*>(op.hit) == op.serial) return;  // copied already
   if (threadIdx.x == 0) {
-    src = resolve_located(op.src.where, op.src.owner, op.src.staged, op.src.offset, op.bytes,
+    far = resolve_located(op.far.where, op.far.owner, op.far.staged, op.far.offset, op.bytes,
                           op.segments, op.err, op.op_seq, op.op);
   }
   __syncthreads();
-  if (!src) return;  // recorded; nothing is read
+  if (!far) return;  // recorded, or a push to a peer that reads for itself: nothing moves
   size_t b, e;  // 16-byte units: every block's piece keeps the copy's alignment
   slice_of(op.bytes, 16, blockIdx.x, gridDim.x, &b, &e);
-  block_copy(static_cast<char*>(op.dst) + b, src + b, e - b);
+  if (op.push) {
+    block_copy(const_cast<char*>(far) + b, static_cast<const char*>(op.local) + b, e - b);
+  } else {
+    block_copy(static_cast<char*>(op.local) + b, far + b, e - b);
+  }
 }
 
 }  // namespace
 
+int located_grid(size_t bytes, int blocks) {
+  const size_t want = (bytes + kLocatedBytesPerBlock - 1) / kLocatedBytesPerBlock;
+  return static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(std::max(blocks, 1))));
+}
+
 cudaError_t launch_located_copy(const LocatedCopyOp& op, int blocks, cudaStream_t stream) {
-  const size_t want = (op.bytes + kLocatedBytesPerBlock - 1) / kLocatedBytesPerBlock;
-  const int grid = static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(std::max(blocks, 1))));
-  located_copy_kernel<<<grid, kLocatedThreads, 0, stream>>>(op);
+  located_copy_kernel<<<located_grid(op.bytes, blocks), kLocatedThreads, 0, stream>>>(op);
   return cudaGetLastError();
 }
 

@@ -60,7 +60,8 @@ constexpr size_t kVersionBytes = 64;
 SegmentTable::SegmentTable(const TransportArgs& a, int device) : a_(a), device_(device) {
   entries_at_ = kVersionBytes;
   acked_at_ = entries_at_ + sizeof(Entry) * kSegmentSlots;
-  bytes_ = acked_at_ + sizeof(uint64_t) * kSegmentSlots * static_cast<size_t>(a_.world);
+  published_at_ = acked_at_ + sizeof(uint64_t) * kSegmentSlots * static_cast<size_t>(a_.world);
+  bytes_ = published_at_ + sizeof(Published) * kPublished;
   tables_ = map_host_segments(a_, "segments", bytes_);
   gens_.assign(kSegmentSlots, 0);
   for (int s = kSegmentSlots - 1; s >= 0; --s) free_slots_.push_back(s);
@@ -105,6 +106,32 @@ SegmentTable::Entry& SegmentTable::entry(int rank, int slot) {
 std::atomic<uint64_t>& SegmentTable::acked(int reader, int owner, int slot) {
   auto* words = reinterpret_cast<std::atomic<uint64_t>*>(tables_[reader] + acked_at_);
   return words[static_cast<size_t>(owner) * kSegmentSlots + slot];
+}
+
+SegmentTable::Published& SegmentTable::published(int rank, uint64_t number) {
+  return reinterpret_cast<Published*>(tables_[rank] + published_at_)[number % kPublished];
+}
+
+void SegmentTable::publish_output(uint64_t number, uint64_t word) {
+  Published& p = published(a_.rank, number);
+  p.number.store(0, std::memory_order_release);  // a reader between these sees no number
+  p.word.store(word, std::memory_order_release);
+  p.number.store(number, std::memory_order_release);
+}
+
+uint64_t SegmentTable::published_output(int owner, uint64_t number) {
+  Published& p = published(owner, number);
+  if (number == 0 || p.number.load(std::memory_order_acquire) != number) return 0;
+  const uint64_t word = p.word.load(std::memory_order_acquire);
+  return p.number.load(std::memory_order_acquire) == number ? word : 0;  // not rewritten meanwhile
+}
+
+char* SegmentTable::mapping_of(int owner, uint64_t word, uint64_t offset, uint64_t bytes) const {
+  const Location loc = Location::decode(word);
+  if (!loc.mapped || owner == a_.rank || loc.slot >= static_cast<uint32_t>(kSegmentSlots)) return nullptr;
+  const Mapping& m = mapped_[owner][loc.slot];
+  if (!m.ptr || (m.gen & Location::kGenMask) != loc.gen || loc.offset + offset + bytes > m.bytes) return nullptr;
+  return m.ptr + loc.offset + offset;
 }
 
 uint64_t SegmentTable::locate(const void* p, size_t bytes) {
@@ -246,6 +273,7 @@ void SegmentTable::refresh_owner(int owner) {
     }
     m.ptr = static_cast<char*>(ptr);
     m.gen = gen;
+    m.bytes = bytes;
     set_view(owner, slot, SegmentView{m.ptr, gen, bytes});  // before the acknowledgment: the
     acked(a_.rank, owner, slot).store(gen, std::memory_order_release);  // owner names it after
   }

@@ -19,6 +19,11 @@
 // closed while read, never read once closed, and its slot is given again only then.
 // Memory that cannot be shared this way (expandable segments, a pool of another allocator) is
 // remembered and always staged.
+// A pushed direct all-gather's output is shared the same way; its owner also publishes, as it
+// issues the call, the output's Location word under the call's number (a ring in its table),
+// so that a peer that issues later, or one that saw the same buffers before, can say on the
+// host where to write, and write with the copy engines once the device confirmed the guess
+// (guessed_puts.hpp).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -51,6 +56,14 @@ class SegmentTable {
   // After each operation: the events of the last operation of each ring that reads inputs in
   // place (null: none yet); a segment freed from now on is told ended once they completed.
   void issued(std::vector<std::shared_ptr<void>> last_ops);
+  // The owner's output word of its pushed all-gather `number` (publish), and a peer's as last
+  // published under `number` (0: not yet, or no longer, known).
+  void publish_output(uint64_t number, uint64_t word);
+  uint64_t published_output(int owner, uint64_t number);
+  // Where `bytes` at `offset` past the place `word` names in owner's memory lie in this
+  // process (its mapping of the segment), or null where it has none of that generation or
+  // they would pass the segment's end. Only while the owner's call that named it is in flight.
+  char* mapping_of(int owner, uint64_t word, uint64_t offset, uint64_t bytes) const;
   // [world][kSegmentSlots], for the kernels (device memory: many blocks read it at once).
   const SegmentView* views() const { return views_; }
   // The caching allocator returned the segment at `base` of `device` to the driver.
@@ -75,11 +88,18 @@ class SegmentTable {
   struct Mapping {  // a peer's entry as this rank has it
     char* ptr = nullptr;
     uint64_t gen = 0;
+    uint64_t bytes = 0;
     uint64_t failed = 0;  // the generation whose opening failed (not retried)
   };
   std::atomic<uint64_t>& version(int rank);  // bumped after every change of its entries
   Entry& entry(int rank, int slot);
   std::atomic<uint64_t>& acked(int reader, int owner, int slot);
+  struct Published {  // an output word under its call's number (0 while being rewritten)
+    std::atomic<uint64_t> number;
+    std::atomic<uint64_t> word;
+  };
+  static constexpr int kPublished = 256;  // calls a peer's output words are kept for
+  Published& published(int rank, uint64_t number);
   void end_export(uintptr_t base);  // mu_ held
   void tell_ended();                 // the due endings (mu_ held)
   void refresh_owner(int owner);
@@ -88,7 +108,7 @@ class SegmentTable {
 
   TransportArgs a_;
   int device_;
-  size_t entries_at_ = 0, acked_at_ = 0, bytes_ = 0;  // the shared table's layout
+  size_t entries_at_ = 0, acked_at_ = 0, published_at_ = 0, bytes_ = 0;  // the shared table's layout
   std::vector<char*> tables_;                          // every rank's, mapped here
   std::mutex mu_;  // the owner's state (the allocator's hook comes from any thread)
   std::unordered_map<uintptr_t, Export> exports_;

@@ -8,6 +8,7 @@ namespace odc {
 size_t Step::data_bytes() const {
   if (auto* c = as<CopyStep>()) return c->bytes;
   if (auto* c = as<LocatedCopyStep>()) return c->bytes;
+  if (auto* c = as<LocatedPushStep>()) return c->bytes;
   if (auto* r = as_reduction()) return r->numel * dtype_size(r->spec.dtype);
   return 0;
 }
@@ -91,6 +92,11 @@ void StepRecording::fill_zero(int lane, void* dst, size_t bytes) {
 
 void StepRecording::copy_located(int lane, void* dst, const Located& src, size_t bytes) {
   add(lane, LocatedCopyStep{dst, src, bytes, last_wait_});
+}
+
+void StepRecording::push_located(int lane, const Located& dst, const void* src, size_t bytes,
+                                 uint64_t guess, char* guess_at) {
+  add(lane, LocatedPushStep{dst, src, bytes, last_wait_, guess, guess_at});
 }
 
 void StepRecording::reduce_located(int lane, void* dst, const std::vector<Located>& srcs,

@@ -63,6 +63,15 @@ struct LocatedCopyStep {
   size_t bytes;
   WaitSite site;  // the wait before it (its owner's "ready"), naming the operation in errors
 };
+// A push (ZeroCopyReads::push_located): src into where dst's owner says its buffer lies.
+struct LocatedPushStep {
+  Located dst;
+  const void* src;
+  size_t bytes;
+  WaitSite site;       // the wait before it (the owner's "ready")
+  uint64_t guess = 0;  // the word the owner is expected to say, and its place here (or null)
+  char* guess_at = nullptr;
+};
 // srcs: the staged (or own) sources; their Location words follow, at first + n.
 struct LocatedReduceStep : ReduceStep {
   uint64_t offset;  // past each located source's word's offset
@@ -71,10 +80,13 @@ struct LocatedReduceStep : ReduceStep {
 
 // In StepKind's order (kernels.cuh), so that a step's kind is its payload's index.
 using StepPayload = std::variant<WaitStep, SignalStep, CopyStep, ReduceStep, AccumulateStep,
-                                 ZeroStep, StoreStep, LocatedCopyStep, LocatedReduceStep>;
+                                 ZeroStep, StoreStep, LocatedCopyStep, LocatedReduceStep,
+                                 LocatedPushStep>;
 static_assert(std::is_same_v<std::variant_alternative_t<kStepStore, StepPayload>, StoreStep> &&
                   std::is_same_v<std::variant_alternative_t<kStepReduceLocated, StepPayload>,
-                                 LocatedReduceStep>,
+                                 LocatedReduceStep> &&
+                  std::is_same_v<std::variant_alternative_t<kStepPushLocated, StepPayload>,
+                                 LocatedPushStep>,
               "StepPayload follows StepKind");
 
 struct Step {
@@ -113,6 +125,8 @@ class StepRecording {
   void accumulate(int lane, float* dst, const void* src, size_t numel, DType dtype);
   void fill_zero(int lane, void* dst, size_t bytes);
   void copy_located(int lane, void* dst, const Located& src, size_t bytes);
+  void push_located(int lane, const Located& dst, const void* src, size_t bytes, uint64_t guess,
+                    char* guess_at);
   void reduce_located(int lane, void* dst, const std::vector<Located>& srcs, size_t numel,
                       const ReduceSpec& spec);
   // The steps recorded since `first` make one put (Transport::put_after).

@@ -37,22 +37,37 @@ __global__ void flag_kernel(FlagOp op) {
   }
 }
 
-__global__ void gate_kernel(const __grid_constant__ GateOp g) {
+// A gate's waits (every thread of its block): true, in thread 0 only, where the group had not
+// failed, every peer's counter arrived and its descriptor matched, and the group has still
+// not failed (nothing goes into peers' memory after a failure).
+__device__ bool gate_passes(const WaitCheck& c, const uint64_t* const* flag,
+                            const uint64_t* const* desc, const int* peer, int n) {
   __shared__ int failed;
-  volatile DeviceError* err = g.check.err;
-  if (threadIdx.x == 0) failed = err->code != 0;  // the group failed: nothing more into peers' memory
+  volatile DeviceError* err = c.err;
+  if (threadIdx.x == 0) failed = err->code != 0;
   __syncthreads();
-  if (failed) return;
+  if (failed) return false;
   const uint64_t start = global_ns();
-  for (int i = threadIdx.x; i < g.n; i += blockDim.x) {
-    if (!check_peer(g.check, g.flag[i], g.desc[i], g.peer[i], start)) {
-      failed = 1;
-    }
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    if (!check_peer(c, flag[i], desc[i], peer[i], start)) failed = 1;
   }
   __syncthreads();
-  if (failed || threadIdx.x != 0 || err->code != 0) return;
+  return !failed && threadIdx.x == 0 && err->code == 0;
+}
+
+__global__ void gate_kernel(const __grid_constant__ GateOp g) {
+  if (!gate_passes(g.check, g.flag, g.desc, g.peer, g.n)) return;
   for (int i = 0; i < g.n; ++i) g.go[i] = g.check.target;  // ordered before the graph's next nodes
   cudaGraphSetConditional(g.cond, 1);
+}
+
+__global__ void guess_gate_kernel(const __grid_constant__ GuessGateOp g) {
+  if (!gate_passes(g.check, g.flag, g.desc, g.peer, g.n)) return;
+  for (int i = 0; i < g.n; ++i) {  // the words: stored before the "ready" just acquired
+    if (load_acquire(g.where[i]) != g.guess[i]) continue;
+    g.hits[i] = g.serial;  // ordered before the graph's next nodes and the stream's later work
+    cudaGraphSetConditional(g.cond[i], 1);
+  }
 }
 
 __global__ void put_signal_kernel(const __grid_constant__ PutSignalOp p) {
@@ -81,6 +96,10 @@ cudaKernelNodeParams gate_node_params(void** args) {
   return one_warp_node(reinterpret_cast<void*>(&gate_kernel), args);
 }
 
+cudaKernelNodeParams guess_gate_node_params(void** args) {
+  return one_warp_node(reinterpret_cast<void*>(&guess_gate_kernel), args);
+}
+
 cudaKernelNodeParams put_signal_node_params(void** args) {
   return one_warp_node(reinterpret_cast<void*>(&put_signal_kernel), args);
 }
@@ -93,7 +112,8 @@ cudaError_t launch_flag_op(const FlagOp& op, cudaStream_t stream) {
 
 cudaError_t preload_wait_kernels() {
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, flag_kernel);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, flag_kernel);
+  return e == cudaSuccess ? cudaFuncGetAttributes(&attr, guess_gate_kernel) : e;
 }
 
 }  // namespace odc

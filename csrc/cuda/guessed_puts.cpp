@@ -1,0 +1,126 @@
+// Layer 2, a transport: the CUDA transport's pushes with a guessed destination (guessed_puts.hpp).
+#include "guessed_puts.hpp"
+
+#include <stdexcept>
+
+#include "device_memory.hpp"
+
+namespace odc {
+
+GuessedPuts::~GuessedPuts() {
+  for (auto& [key, g] : graphs_) destroy(g);
+  for (auto& g : retired_) destroy(g);
+}
+
+void GuessedPuts::destroy(Graph& g) {  // parts not made yet are null
+  if (g.exec) (void)cudaGraphExecDestroy(g.exec);
+  if (g.graph) (void)cudaGraphDestroy(g.graph);
+  if (g.last) (void)cudaEventDestroy(g.last);
+  if (g.hits) (void)cudaFree(g.hits);
+}
+
+void GuessedPuts::retire() {
+  constexpr size_t kMaxGraphs = 1024;
+  if (graphs_.size() >= kMaxGraphs) {  // rare: drop them all, each once its last launch is done
+    for (auto& [k, g] : graphs_) retired_.push_back(g);
+    graphs_.clear();
+  }
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if (cudaEventQuery(it->last) != cudaSuccess) {
+      (void)cudaGetLastError();
+      ++it;
+      continue;
+    }
+    destroy(*it);
+    it = retired_.erase(it);
+  }
+}
+
+GuessGateOp GuessedPuts::gate_of(const Graph& g, const std::vector<Put>& puts, const WaitCheck& check,
+                                 uint64_t serial) {
+  GuessGateOp op{};
+  op.n = static_cast<int>(puts.size());
+  for (int i = 0; i < op.n; ++i) {
+    op.flag[i] = puts[i].ready;
+    op.desc[i] = puts[i].desc;
+    op.peer[i] = puts[i].peer;
+    op.where[i] = puts[i].where;
+    op.guess[i] = puts[i].guess;
+    op.cond[i] = g.conds[i];
+  }
+  op.check = check;
+  op.hits = g.hits;
+  op.serial = serial;
+  return op;
+}
+
+void GuessedPuts::build(Graph& g, const std::vector<Put>& puts) {
+  check(cudaMalloc(&g.hits, puts.size() * sizeof(uint64_t)), "allocating the pushes' words");
+  check(cudaMemset(g.hits, 0, puts.size() * sizeof(uint64_t)), "zeroing the pushes' words");
+  check(cudaEventCreateWithFlags(&g.last, cudaEventDisableTiming), "creating an event");
+  check(cudaGraphCreate(&g.graph, 0), "creating the pushes' graph");
+  for (size_t i = 0; i < puts.size(); ++i) {
+    cudaGraphConditionalHandle c;
+    check(cudaGraphConditionalHandleCreate(&c, g.graph, 0, cudaGraphCondAssignDefault),
+          "creating a push's condition");
+    g.conds.push_back(c);
+  }
+  GuessGateOp op = gate_of(g, puts, WaitCheck{}, 0);  // its parameters are set at each launch
+  void* args[1] = {&op};
+  const cudaKernelNodeParams kp = guess_gate_node_params(args);
+  check(cudaGraphAddKernelNode(&g.gate, g.graph, nullptr, 0, &kp), "adding the pushes' gate");
+  cudaGraphNode_t prev = g.gate;
+  for (size_t i = 0; i < puts.size(); ++i) {  // one after another
+    cudaGraphNodeParams cp{};
+    cp.type = cudaGraphNodeTypeConditional;
+    cp.conditional.handle = g.conds[i];
+    cp.conditional.type = cudaGraphCondTypeIf;
+    cp.conditional.size = 1;
+    cudaGraphNode_t node, copy;
+#if CUDART_VERSION >= 13000
+    check(cudaGraphAddNode(&node, g.graph, &prev, nullptr, 1, &cp), "adding a push's condition");
+#else
+    check(cudaGraphAddNode(&node, g.graph, &prev, 1, &cp), "adding a push's condition");
+#endif
+    check(cudaGraphAddMemcpyNode1D(&copy, cp.conditional.phGraph_out[0], nullptr, 0, puts[i].dst,
+                                   puts[i].src, puts[i].bytes, cudaMemcpyDeviceToDevice),
+          "adding a push's copy");
+    prev = node;
+  }
+  check(cudaGraphInstantiate(&g.exec, g.graph, 0), "instantiating the pushes' graph");
+}
+
+GuessedPuts::Graph& GuessedPuts::graph_of(const std::vector<Put>& puts) {
+  std::vector<uintptr_t> key;  // where each push writes, from where, how much
+  for (const Put& p : puts) {
+    key.insert(key.end(), {reinterpret_cast<uintptr_t>(p.dst), reinterpret_cast<uintptr_t>(p.src), p.bytes});
+  }
+  auto it = graphs_.find(key);
+  if (it != graphs_.end()) return it->second;
+  retire();
+  Graph g;
+  try {
+    build(g, puts);
+  } catch (...) {
+    destroy(g);
+    throw;
+  }
+  return graphs_.emplace(key, g).first->second;
+}
+
+const uint64_t* GuessedPuts::launch(cudaStream_t stream, const std::vector<Put>& puts,
+                                    const WaitCheck& check_of, uint64_t serial) {
+  if (puts.empty() || puts.size() > static_cast<size_t>(kMaxGatePeers)) {
+    throw std::logic_error("odc: guessed pushes behind one gate: 1 to kMaxGatePeers");
+  }
+  Graph& g = graph_of(puts);
+  GuessGateOp op = gate_of(g, puts, check_of, serial);
+  void* args[1] = {&op};
+  const cudaKernelNodeParams kp = guess_gate_node_params(args);
+  check(cudaGraphExecKernelNodeSetParams(g.exec, g.gate, &kp), "setting the pushes' gate");
+  check(cudaGraphLaunch(g.exec, stream), "launching the pushes");
+  check(cudaEventRecord(g.last, stream), "recording an event");
+  return g.hits;
+}
+
+}  // namespace odc

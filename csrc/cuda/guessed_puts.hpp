@@ -1,0 +1,64 @@
+// Layer 2, a transport: the CUDA transport's pushes with a guessed destination on the copy
+// engines. A pushed direct all-gather (Protocol::all_gather_direct) writes each rank's shard
+// into a peer's output where the peer says, on the device, that it lies: an SM copy, since a
+// copy engine needs its destination when the copy is enqueued. Where the host has a guess of
+// that place (what the peer published: SegmentTable::publish_output), the write goes through a
+// copy engine instead. The operation's guessed pushes run as one CUDA graph (made per set of
+// places at first use and kept; FSDP's buffers recur) on its stream: a one-warp gate waits for
+// the peers' "ready" and checks their descriptors as a put's gate does (put_graphs.hpp), then
+// compares each peer's word with its guess; only where they are equal and the group has not
+// failed does it open that push's conditional node, which holds its copy, and mark the push
+// done (`hit`). The copies run one after another, which on 4 GPUs beat a stream per peer
+// (performance.md). Each push's SM copy, on its lane after the graph, writes only where its
+// guess missed.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "kernels.cuh"
+
+namespace odc {
+
+class GuessedPuts {
+ public:
+  struct Put {
+    void* dst;
+    const void* src;
+    size_t bytes;
+    const uint64_t* ready;  // the peer's counter, and its descriptor (null: unchecked)
+    const uint64_t* desc;
+    int peer;
+    const uint64_t* where;  // the peer's word, and the guess
+    uint64_t guess;
+  };
+  ~GuessedPuts();
+  // On `stream`, the graph of `puts` (at most kMaxGatePeers) behind one gate of `check`; its
+  // hits are marked with `serial`. Returns the hit words, one per put (device memory).
+  const uint64_t* launch(cudaStream_t stream, const std::vector<Put>& puts, const WaitCheck& check,
+                         uint64_t serial);
+
+ private:
+  struct Graph {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cudaGraphNode_t gate = nullptr;
+    std::vector<cudaGraphConditionalHandle> conds;
+    uint64_t* hits = nullptr;    // device memory, one per put
+    cudaEvent_t last = nullptr;  // recorded after its last launch
+  };
+  Graph& graph_of(const std::vector<Put>& puts);
+  void build(Graph& g, const std::vector<Put>& puts);
+  static GuessGateOp gate_of(const Graph& g, const std::vector<Put>& puts, const WaitCheck& check,
+                             uint64_t serial);
+  void retire();  // destroys graphs dropped from the map once their last launch is done
+  static void destroy(Graph& g);
+
+  std::map<std::vector<uintptr_t>, Graph> graphs_;
+  std::vector<Graph> retired_;
+};
+
+}  // namespace odc

@@ -58,8 +58,8 @@ def percentile(xs, q):
 SMS_SOURCE = ("reported by the backend for one call of each size, after the timed trials (the "
               "group's stats: fused_ops / fused_blocks, copy_engine_ops / copy_engine_blocks); "
               "sms = the most thread blocks the call held at once per rank (the fused kernel's grid; "
-              "on the copy-engine path its reduction's grid plus one flag-kernel block per lane that "
-              "ran one), an upper bound on SMs (one block per SM)")
+              "on the copy-engine path each lane's largest kernel, the lanes running at once, plus "
+              "one flag-kernel block per lane that ran one), an upper bound on SMs (one block per SM)")
 _ENGINE_KEYS = ("fused_ops", "fused_blocks", "copy_engine_ops", "copy_engine_blocks",
                 "all_gather_push_ops")
 

@@ -239,8 +239,10 @@ def _print_backends(by: dict, order: list[str], ref: str):
 
 
 def _print_nccl_best(by: dict):
-    """Per op and size: the best NCCL variant (highest busbw) and odc's busbw over it."""
-    mine = [b for b in ("odc", "odc_registered") if _has(by, b)]
+    """Per op and size: the best NCCL variant (highest busbw) and odc's busbw over it (the
+    summary's _vs_nccl_best)."""
+    s = _vs_nccl_best(by)
+    mine = [b for b in ("odc", "odc_registered") if f"busbw_ratio_{b}_vs_nccl_best" in s]
     print(f"\n{'op':<15}{'size':>8} | {'nccl_best':>15} {'busbw':>8} | "
           + " ".join(f"{b + '/nccl_best':>24}" for b in mine))
     for op in OPS:
@@ -248,8 +250,8 @@ def _print_nccl_best(by: dict):
             best = _nccl_best(by, op, sz)
             if not best:
                 continue
-            ratios = " ".join(f"{by[(op, b, sz)]['busbw_GBps'] / best['busbw_GBps']:24.2f}"
-                              if (op, b, sz) in by and best["busbw_GBps"] else f"{'n/a':>24}" for b in mine)
+            got = [s[f"busbw_ratio_{b}_vs_nccl_best"][op].get(size_label(sz)) for b in mine]
+            ratios = " ".join(f"{r:24.2f}" if r is not None else f"{'n/a':>24}" for r in got)
             print(f"{op:<15}{size_label(sz):>8} | {best['backend']:>15} {best['busbw_GBps']:8.1f} | {ratios}")
 
 

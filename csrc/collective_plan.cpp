@@ -74,7 +74,7 @@ uint64_t OdcBackend::issue_direct(Channel& ch, bool ag, const Tensors& t, const 
   const uint64_t where = ch.protocol->locate(t.in.data_ptr(), in_bytes);
   count(Stat::DirectOps, 1);
   if (where) count(Stat::DirectInPlaceOps, 1);
-  if (ag && ch.push_all_gather && options_->ag_push == 1) {
+  if (ag && options_->ag_push == 1) {
     // Pushed, where asked for (ODC_AG_PUSH=1; reads measured faster on 4 x H200, performance.md):
     // the peers write into this rank's output where every peer has it mapped. A push writes
     // into a peer's memory: its descriptor is always checked, also with ODC_MATCH_CHECK=0.

@@ -230,7 +230,7 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
   }
   if (my_part != in_b && shard_bytes) t_->copy(0, my_part, in_b, shard_bytes);
   if (world_ > 1) registered_finish(kAg, others_, base + rounds, reads);
-  if (pushes && *out_where) {  // for the peers' next guesses (guess_output)
+  if (pushes && *out_where) {  // for this rank's next guesses (guess_output)
     if (number_of_output_.size() >= 4096) number_of_output_.clear();
     number_of_output_[*out_where] = base + 1;
   }

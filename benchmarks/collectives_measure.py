@@ -8,7 +8,7 @@ import traceback
 
 from collectives_setup import (BenchContext, all_gather, all_true, buffer, host_barrier, ops_per_trial,
                                output_buffer, reduce_floats, reduce_scatter, time_loop)
-from collectives_util import engine_from_stats, median, percentile, size_label
+from collectives_util import engine_from_stats, guesses_from_stats, median, percentile, size_label
 
 
 # --------------------------------------------------------------------------- correctness
@@ -178,13 +178,19 @@ def _time_interleaved(ctx: BenchContext, fns: dict, backends: list[str], k: int)
     return times, host
 
 
+ODC_BACKENDS = ("odc", "odc_nocheck", "odc_staged", "odc_staged_push", "odc_registered")
+
+
+def _stats(ctx: BenchContext, backend: str) -> dict:
+    from torch_odc_backend import backend_stats
+    return backend_stats(ctx.groups[backend], device="cuda")
+
+
 def engine_of(ctx: BenchContext, backend: str, fn) -> dict:
     """The engine and SMs of one call of ``fn`` on ``backend``'s group (its stats)."""
-    from torch_odc_backend import backend_stats
-    group = ctx.groups[backend]
-    before = backend_stats(group, device="cuda")
+    before = _stats(ctx, backend)
     fn()
-    return engine_from_stats(before, backend_stats(group, device="cuda"))
+    return engine_from_stats(before, _stats(ctx, backend))
 
 
 def _latency_row(ctx: BenchContext, op: str, b: str, nbytes: int, k: int, times: list, host: list) -> dict:
@@ -211,18 +217,18 @@ def measure(ctx: BenchContext, op: str, nbytes: int, skip: set) -> list[dict]:
         fns[name] = fn
         backends.append(name)
     k = ops_per_trial(ctx.args, nbytes)
+    odc = [b for b in backends if ctx.cuda and b in ODC_BACKENDS]
+    stats_before = {b: _stats(ctx, b) for b in odc}
     times, host = _time_interleaved(ctx, fns, backends, k)
-    engines = {}  # odc's engine for one more call, as the backend reports it (every rank calls)
-    for b in backends:
-        if ctx.cuda and b in ("odc", "odc_nocheck", "odc_staged", "odc_staged_push", "odc_registered"):
-            engines[b] = engine_of(ctx, b, fns[b])
+    guesses = {b: guesses_from_stats(stats_before[b], _stats(ctx, b)) for b in odc}  # the timed calls'
+    engines = {b: engine_of(ctx, b, fns[b]) for b in odc}  # for one more call (every rank calls)
     rows = []
     for b in backends:
         row = _latency_row(ctx, op, b, nbytes, k, times[b], host[b])
         if b in floors:
             row["engine"] = floors[b][1]
         elif ctx.cuda and b in engines:
-            row.update({f"odc_{key}": v for key, v in engines[b].items()})
+            row.update({f"odc_{key}": v for key, v in {**engines[b], **guesses[b]}.items()})
         elif b in ctx.nccl_rows:  # its buffers and CTA policy (NCCL reports no SM count)
             row.update(ctx.nccl_rows[b])
         rows.append(row)

@@ -82,6 +82,14 @@ def engine_from_stats(before: dict, after: dict) -> dict:
     return out
 
 
+def guesses_from_stats(before: dict, after: dict) -> dict:
+    """Pushed all-gathers on the copy engines (ODC_AG_PUSH=1): the pushes made to a guessed
+    place between two snapshots of the group's stats, and those the device confirmed (the
+    others were written by the SM copy behind them); empty where none was made."""
+    d = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("guessed_pushes", "guessed_push_hits")}
+    return d if d["guessed_pushes"] else {}
+
+
 FLOOR_DEFINITION = (
     "per size, every rank at once moves the least bytes the collective needs for it, on local "
     "buffers: all_gather copies (W-1)/W*S bytes; reduce_scatter reads W chunks of S/W bytes and "

@@ -350,6 +350,13 @@ std::map<std::string, uint64_t> OdcBackend::stats() const {
     const uint64_t v = stats_[i].load(std::memory_order_relaxed);
     if (v) out[stat_name(static_cast<Stat>(i))] = v;
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [type, ch] : channels_) {  // counted on the device (pushed all-gathers)
+    if (!ch.zero_copy) continue;
+    const auto [pushes, confirmed] = ch.zero_copy->guessed_pushes();
+    if (pushes) out["guessed_pushes"] += pushes;
+    if (confirmed) out["guessed_push_hits"] += confirmed;
+  }
   return out;
 }
 

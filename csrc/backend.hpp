@@ -320,7 +320,7 @@ class OdcBackend final : public c10d::Backend {
   std::map<c10::DeviceType, Channel> channels_;
   std::mutex inner_mu_;  // guards inners_; held while a factory (Python) creates one
   std::map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>> inners_;
-  std::mutex mu_;  // ops on one group may be issued from several threads
+  mutable std::mutex mu_;  // ops on one group may be issued from several threads
   std::string broken_;  // set once a communication error left the group unusable
   uint64_t seq_ = 0;
   std::array<std::atomic<uint64_t>, static_cast<size_t>(Stat::kCount)> stats_{};  // relaxed: counts only

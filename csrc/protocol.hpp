@@ -193,7 +193,14 @@ class Protocol {
   Transport* t_;
   ZeroCopyReads* zero_copy_;
   std::vector<uint64_t> ag_pub_;     // per owner: chunks it published into its AG ring
-  std::unordered_map<uint64_t, uint64_t> number_of_output_;  // pushed all-gathers: output word -> last call
+  // Pushed all-gathers, per output word of this rank: its latest calls there, and per peer the
+  // newest word that peer published for one of them (guess_output).
+  struct OutputHistory {
+    std::vector<uint64_t> numbers;  // oldest first, at most kOutputHistory
+    std::vector<uint64_t> known;    // per peer (0: none yet)
+  };
+  static constexpr size_t kOutputHistory = 16;
+  std::unordered_map<uint64_t, OutputHistory> output_history_;
   std::vector<uint64_t> rs_sent_;    // per peer: chunks this rank put into its landing ring
   std::vector<uint64_t> rs_landed_;  // per peer: chunks it put into this rank's landing ring
   std::vector<int> others_;             // every rank but this one (made once: used per call)

@@ -231,20 +231,28 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
   if (my_part != in_b && shard_bytes) t_->copy(0, my_part, in_b, shard_bytes);
   if (world_ > 1) registered_finish(kAg, others_, base + rounds, reads);
   if (pushes && *out_where) {  // for this rank's next guesses (guess_output)
-    if (number_of_output_.size() >= 4096) number_of_output_.clear();
-    number_of_output_[*out_where] = base + 1;
+    if (output_history_.size() >= 4096) output_history_.clear();
+    OutputHistory& h = output_history_[*out_where];
+    if (h.numbers.size() == kOutputHistory) h.numbers.erase(h.numbers.begin());
+    h.numbers.push_back(base + 1);
+    h.known.resize(world_, 0);
   }
 }
 
 uint64_t Protocol::guess_output(int peer, uint64_t number, uint64_t mine) {
   // The peer issued this call already: its word. Else the word it said the last time this
   // rank's output lay where it lies now (ranks allocate alike, so their buffers recur alike).
-  uint64_t word = zero_copy_->published_output(peer, number);
-  if (!word && mine) {
-    auto it = number_of_output_.find(mine);
-    if (it != number_of_output_.end()) word = zero_copy_->published_output(peer, it->second);
+  // A rank whose host runs calls ahead of the peer's finds none of its latest calls published
+  // yet: then the newest word it learnt from an earlier one.
+  const uint64_t word = zero_copy_->published_output(peer, number);
+  if (word || !mine) return word;
+  auto it = output_history_.find(mine);
+  if (it == output_history_.end()) return 0;
+  OutputHistory& h = it->second;
+  for (auto n = h.numbers.rbegin(); n != h.numbers.rend(); ++n) {
+    if (const uint64_t w = zero_copy_->published_output(peer, *n)) return h.known[peer] = w;
   }
-  return word;
+  return h.known[peer];
 }
 
 void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel, size_t elem_size,

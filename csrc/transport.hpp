@@ -8,6 +8,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "layout.hpp"
@@ -162,6 +163,9 @@ class ZeroCopyReads {
   // a peer's as published under `number` (0: not known here).
   virtual void publish_output(uint64_t number, uint64_t word) = 0;
   virtual uint64_t published_output(int peer, uint64_t number) = 0;
+  // Diagnostics (the group's stats): the pushes to a guessed place so far, and those whose
+  // guess the device confirmed (the others were written by the SM copy behind them).
+  virtual std::pair<uint64_t, uint64_t> guessed_pushes() { return {0, 0}; }
   // dst[i] = combine of srcs[j][i] in order (reduce's semantics); srcs[j]'s owner is j.
   virtual void reduce_located(int lane, void* dst, const std::vector<Located>& srcs,
                               size_t numel, const ReduceSpec& spec) = 0;

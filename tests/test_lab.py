@@ -88,6 +88,7 @@ def test_engine_from_stats():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         from collectives import engine_from_stats
+        from collectives_util import guesses_from_stats
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     before = {"fused_ops": 3, "fused_blocks": 6, "all_gather_ops": 3}
@@ -97,6 +98,11 @@ def test_engine_from_stats():
     both = engine_from_stats({}, {"fused_ops": 1, "fused_blocks": 2, "copy_engine_ops": 1, "copy_engine_blocks": 4})
     assert both == {"engine": "mixed", "sms": 3}
     assert engine_from_stats(before, before) == {"engine": "none", "sms": 0}  # a host transport
+    # pushed all-gathers: the timed calls' pushes to guessed places, and those confirmed
+    pushed = {"guessed_pushes": 10, "guessed_push_hits": 7}
+    assert guesses_from_stats(pushed, {"guessed_pushes": 40, "guessed_push_hits": 36}) == {
+        "guessed_pushes": 30, "guessed_push_hits": 29}
+    assert guesses_from_stats(pushed, pushed) == {} and guesses_from_stats({}, {"direct_ops": 3}) == {}
 
 
 def test_collectives_cpu_floor_and_summary(tmp_path):

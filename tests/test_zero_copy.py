@@ -8,7 +8,8 @@ shared (expandable segments), and segments freed and allocated again between col
 (empty_cache): a peer must never read a segment through an old mapping. With ODC_AG_PUSH=1
 all-gathers push: each rank writes its shard into a peer's output where that peer said it lies
 (with the copy engines where its guess of that place holds), and a peer whose output is not
-mapped yet reads for itself; both at once within one call must give the same result. GPU only.
+mapped yet reads for itself; both at once within one call must give the same result, and a
+rank whose host runs calls ahead of its peers' must still guess where their outputs lie. GPU only.
 """
 from __future__ import annotations
 
@@ -181,6 +182,7 @@ def _mixed_outputs_worker(rank, world):
                 dist.barrier()
             del out, inp, ref
     errors += _alternating_outputs(dev, staged, world, rank)
+    errors += _guesses_from_ahead(dev, world, rank)
     return errors, pushed_calls
 
 
@@ -204,6 +206,39 @@ def _alternating_outputs(dev, staged, world, rank):
         if not torch.equal(out.view(torch.uint8), ref.view(torch.uint8)):
             errors.append(f"alternating outputs, call {k}: differs from the staged path")
         dist.barrier()
+    return errors
+
+
+def _guesses_from_ahead(dev, world, rank):
+    """Back-to-back pushed all-gathers into one output (the copy engines), rank 0 issuing its
+    calls late: the other ranks' hosts run every call before rank 0 published where its output
+    lies, so they guess it from the calls they saw before. Every push must be to a guessed place
+    and every guess confirmed on the device (the group's stats), on every rank."""
+    n, calls = 3_000_000, 12
+    stats = lambda: dict(dist.group.WORLD._get_backend(dev).stats())
+    out = torch.empty(world * n, dtype=F32, device=dev)
+    inp = out[rank * n:(rank + 1) * n]
+    inp.copy_(torch.full((n,), float(rank + 1)))
+    for _ in range(3):  # every peer maps the output, and sees where it lies
+        _call(("ag", n, F32, True), out, inp, None)
+        torch.cuda.synchronize()
+        dist.barrier()
+    before = stats()
+    if rank == 0:
+        time.sleep(0.2)
+    for _ in range(calls):
+        _call(("ag", n, F32, True), out, inp, None)
+    torch.cuda.synchronize()
+    after = stats()
+    tally = [after.get(k, 0) - before.get(k, 0) for k in ("guessed_pushes", "guessed_push_hits")]
+    errors = []
+    if tally != [(world - 1) * calls] * 2:
+        errors.append(f"calls issued ahead: pushes to guessed places and confirmed {tally}, "
+                      f"expected {(world - 1) * calls} each")
+    expected = torch.arange(1, world + 1, dtype=F32, device=dev).repeat_interleave(n)
+    if not torch.equal(out, expected):
+        errors.append("calls issued ahead: wrong output")
+    dist.barrier()
     return errors
 
 

@@ -35,6 +35,7 @@ class CopyEngines {
   // the waits are stream memory operations, watches them from `events`' start to end.
   Transport::EngineUse run(StepRecording& r, const OpEnv& env, EventPool& events,
                            Watchdog* watchdog);
+  GuessedPuts::Tally guessed_tally() { return guessed_.tally(); }
 
  private:
   // One operation being issued: its steps, environment and what it has used.

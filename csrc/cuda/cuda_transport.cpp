@@ -118,6 +118,13 @@ uint64_t CudaTransport::published_output(int peer, uint64_t number) {
   return segments_ ? segments_->published_output(peer, number) : 0;
 }
 
+std::pair<uint64_t, uint64_t> CudaTransport::guessed_pushes() {
+  if (!copy_engines_) return {0, 0};
+  DeviceGuard g(device_);
+  const GuessedPuts::Tally t = copy_engines_->guessed_tally();
+  return {t.examined, t.confirmed};
+}
+
 void CudaTransport::put_after(int lane, const uint64_t* flag, int peer, uint64_t target,
                               const WaitSite& site, const DescCheck* check, void* dst,
                               const void* src, size_t bytes, uint64_t* done) {

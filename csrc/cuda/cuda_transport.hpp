@@ -77,6 +77,7 @@ class CudaTransport final : public Transport, public ZeroCopyReads, public Arena
                     uint64_t guess) override;
   void publish_output(uint64_t number, uint64_t word) override;
   uint64_t published_output(int peer, uint64_t number) override;
+  std::pair<uint64_t, uint64_t> guessed_pushes() override;
   void reduce_located(int lane, void* dst, const std::vector<Located>& srcs, size_t numel,
                       const ReduceSpec& spec) override {
     recording_.reduce_located(lane, dst, srcs, numel, spec);

@@ -10,6 +10,16 @@ namespace odc {
 GuessedPuts::~GuessedPuts() {
   for (auto& [key, g] : graphs_) destroy(g);
   for (auto& g : retired_) destroy(g);
+  if (tally_) (void)cudaFree(tally_);
+  if (tally_stream_) (void)cudaStreamDestroy(tally_stream_);
+}
+
+GuessedPuts::Tally GuessedPuts::tally() {
+  unsigned long long t[2] = {0, 0};
+  if (!tally_) return {};
+  check(cudaMemcpyAsync(t, tally_, sizeof(t), cudaMemcpyDeviceToHost, tally_stream_), "reading the pushes' tally");
+  check(cudaStreamSynchronize(tally_stream_), "reading the pushes' tally");
+  return {t[0], t[1]};
 }
 
 void GuessedPuts::destroy(Graph& g) {  // parts not made yet are null
@@ -51,6 +61,7 @@ GuessGateOp GuessedPuts::gate_of(const Graph& g, const std::vector<Put>& puts, c
   op.check = check;
   op.hits = g.hits;
   op.serial = serial;
+  op.tally = tally_;
   return op;
 }
 
@@ -112,6 +123,11 @@ const uint64_t* GuessedPuts::launch(cudaStream_t stream, const std::vector<Put>&
                                     const WaitCheck& check_of, uint64_t serial) {
   if (puts.empty() || puts.size() > static_cast<size_t>(kMaxGatePeers)) {
     throw std::logic_error("odc: guessed pushes behind one gate: 1 to kMaxGatePeers");
+  }
+  if (!tally_) {
+    check(cudaStreamCreateWithFlags(&tally_stream_, cudaStreamNonBlocking), "creating a stream");
+    check(cudaMalloc(&tally_, 2 * sizeof(unsigned long long)), "allocating the pushes' tally");
+    check(cudaMemset(tally_, 0, 2 * sizeof(unsigned long long)), "zeroing the pushes' tally");
   }
   Graph& g = graph_of(puts);
   GuessGateOp op = gate_of(g, puts, check_of, serial);

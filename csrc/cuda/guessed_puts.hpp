@@ -40,6 +40,12 @@ class GuessedPuts {
   // hits are marked with `serial`. Returns the hit words, one per put (device memory).
   const uint64_t* launch(cudaStream_t stream, const std::vector<Put>& puts, const WaitCheck& check,
                          uint64_t serial);
+  // Pushes its gates examined so far, and those whose guess they confirmed (diagnostics: read
+  // from the device on a stream of its own, so it waits for no collective).
+  struct Tally {
+    uint64_t examined = 0, confirmed = 0;
+  };
+  Tally tally();
 
  private:
   struct Graph {
@@ -52,11 +58,13 @@ class GuessedPuts {
   };
   Graph& graph_of(const std::vector<Put>& puts);
   void build(Graph& g, const std::vector<Put>& puts);
-  static GuessGateOp gate_of(const Graph& g, const std::vector<Put>& puts, const WaitCheck& check,
-                             uint64_t serial);
+  GuessGateOp gate_of(const Graph& g, const std::vector<Put>& puts, const WaitCheck& check,
+                      uint64_t serial);
   void retire();  // destroys graphs dropped from the map once their last launch is done
   static void destroy(Graph& g);
 
+  unsigned long long* tally_ = nullptr;  // device memory: Tally's two counts (GuessGateOp)
+  cudaStream_t tally_stream_ = nullptr;
   std::map<std::vector<uintptr_t>, Graph> graphs_;
   std::vector<Graph> retired_;
 };

@@ -108,6 +108,7 @@ struct GuessGateOp {
   WaitCheck check;
   uint64_t* hits;
   unsigned long long serial;
+  unsigned long long* tally;  // [0] += pushes it examined, [1] += those confirmed (stats)
 };
 
 // The signals of the puts behind one gate, in its conditional node after their copies: one

@@ -63,11 +63,15 @@ __global__ void gate_kernel(const __grid_constant__ GateOp g) {
 
 __global__ void guess_gate_kernel(const __grid_constant__ GuessGateOp g) {
   if (!gate_passes(g.check, g.flag, g.desc, g.peer, g.n)) return;
+  unsigned long long confirmed = 0;
   for (int i = 0; i < g.n; ++i) {  // the words: stored before the "ready" just acquired
     if (load_acquire(g.where[i]) != g.guess[i]) continue;
     g.hits[i] = g.serial;  // ordered before the graph's next nodes and the stream's later work
     cudaGraphSetConditional(g.cond[i], 1);
+    ++confirmed;
   }
+  atomicAdd(&g.tally[0], static_cast<unsigned long long>(g.n));
+  atomicAdd(&g.tally[1], confirmed);
 }
 
 __global__ void put_signal_kernel(const __grid_constant__ PutSignalOp p) {

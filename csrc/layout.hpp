@@ -177,9 +177,12 @@ struct WindowLayout {
   static constexpr size_t kDescBytes = 16;
   size_t descs = 0;
   size_t announce = 0;  // offset of the announce slots: [world][kAnnounceSlots] words
+  // The rings come last, from ag_ring to total: a transport may keep them apart from the
+  // counters (Transport::rings), to give them back while the group holds no arena.
   size_t ag_ring = 0;  // offset of the AG ring (slots * chunk_bytes)
   size_t rs_ring = 0;  // offset of the RS landing rings (world * slots * chunk_bytes)
   size_t total = 0;
+  size_t rings_bytes() const { return total - ag_ring; }
 
   // Offset of counter `kind`[index]: index is the peer the counter is about.
   size_t flag(Flag kind, int index) const {

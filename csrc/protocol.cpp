@@ -100,7 +100,7 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
     if (g >= static_cast<uint64_t>(layout_.slots)) {
       t_->wait(0, acks, peers, g - layout_.slots + 1, {"all_gather", "ring space held by", op_seq});
     }
-    if (len) t_->copy(0, t_->window(rank_) + layout_.ag_slot(g), in_b + off, len);
+    if (len) t_->copy(0, ring_at(rank_, layout_.ag_slot(g)), in_b + off, len);
     if (desc) {
       std::vector<uint64_t*> desc_at_readers;
       for (int p : peers) desc_at_readers.push_back(desc_in(p, WindowLayout::AgDesc, rank_, g));
@@ -116,7 +116,7 @@ void Protocol::all_gather(void* out, const void* in, size_t shard_bytes, uint64_
                {"all_gather", "data from", op_seq}, desc ? &check : nullptr);
       if (len) {
         t_->copy(i, out_b + static_cast<size_t>(p) * shard_bytes + off,
-                 t_->window(p) + layout_.ag_slot(gp), len);
+                 ring_at(p, layout_.ag_slot(gp)), len);
       }
       t_->signal(i, {flag_in(p, WindowLayout::AgAck, rank_)}, gp + 1);
     }
@@ -147,7 +147,7 @@ void Protocol::broadcast(void* buf, size_t bytes, int root, uint64_t op_seq, uin
     const size_t off = k * C;
     const size_t len = std::min(C, bytes - std::min(off, bytes));
     const uint64_t g = ag_pub_[root] + k;
-    char* slot = t_->window(root) + layout_.ag_slot(g);
+    char* slot = ring_at(root, layout_.ag_slot(g));
     if (rank_ == root) {
       if (g >= static_cast<uint64_t>(layout_.slots)) {
         t_->wait(0, acks, readers, g - layout_.slots + 1,
@@ -177,7 +177,7 @@ void Protocol::put_chunk(int lane, int p, uint64_t g, const char* src, size_t le
     t_->wait(lane, {flag_in(rank_, WindowLayout::RsFree, p)}, only_[p], g - layout_.slots + 1,
              {op, "landing space at", op_seq});
   }
-  if (len) t_->copy(lane, t_->window(p) + layout_.rs_slot(rank_, g), src, len);
+  if (len) t_->copy(lane, ring_at(p, layout_.rs_slot(rank_, g)), src, len);
   if (desc) store_desc(lane, {desc_in(p, WindowLayout::RsDesc, rank_, g)}, desc, g);
   t_->signal(lane, {flag_in(p, WindowLayout::RsReady, rank_)}, g + 1);
 }
@@ -227,7 +227,7 @@ void Protocol::reduce_scatter(void* out, const void* in, size_t out_numel, size_
     std::vector<const void*> srcs;
     for (int src = 0; src < world_; ++src) {
       srcs.push_back(src == rank_ ? in_b + static_cast<size_t>(rank_) * part_bytes + off
-                                  : t_->window(rank_) + layout_.rs_slot(src, rs_landed_[src] + k));
+                                  : ring_at(rank_, layout_.rs_slot(src, rs_landed_[src] + k)));
     }
     if (len) t_->reduce(0, out_b + off, srcs, len / elem_size, spec);
     for (size_t first = 0; first < peers.size();) {  // one signal per run of equal counters
@@ -284,7 +284,7 @@ void Protocol::exchange(void* out, const void* in, const Exchange& x, uint64_t o
       DescCheck check{{desc_in(rank_, WindowLayout::RsDesc, p, g)}, desc, g};
       t_->wait(i, {flag_in(rank_, WindowLayout::RsReady, p)}, only_[p], g + 1, {op, "data from", op_seq},
                desc ? &check : nullptr);
-      if (len) t_->copy(i, out_b + x.recv_off[p] + off, t_->window(rank_) + layout_.rs_slot(p, g), len);
+      if (len) t_->copy(i, out_b + x.recv_off[p] + off, ring_at(rank_, layout_.rs_slot(p, g)), len);
       t_->signal(i, {flag_in(p, WindowLayout::RsFree, rank_)}, g + 1);
     }
   }

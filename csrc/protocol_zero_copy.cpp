@@ -194,7 +194,7 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
   if (world_ > 1) {
     registered_count(kAg) += rounds;
     const RegisteredId id{0, base + 1};
-    char* stage = t_->window(rank_) + layout_.ag_ring;
+    char* stage = ring_at(rank_, layout_.ag_ring);
     if (pushes && *out_where) zero_copy_->publish_output(base + 1, *out_where);
     // Round-major (each round's staging, then its reads), which keeps the order deadlock-free
     // when run in sequence: a rank's next staging waits only for reads its peers issued before
@@ -221,7 +221,7 @@ void Protocol::all_gather_direct(void* out, const void* in, size_t shard_bytes, 
         }
         if (reads_peers && len_of(r)) {
           const Located src{flag_in(rank_, words_of(kAg).where, p), p,
-                            t_->window(p) + layout_.ag_ring, r * round};
+                            ring_at(p, layout_.ag_ring), r * round};
           zero_copy_->copy_located(i, out_b + static_cast<size_t>(p) * shard_bytes + r * round, src, len_of(r));
         }
         registered_done(kAg, i, only_[p], reads_peers ? base + r + 1 : base + rounds);
@@ -282,7 +282,7 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
   std::vector<Located> srcs(world_);
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
-    srcs[p] = {flag_in(rank_, words_of(kRs).where, p), p, t_->window(p) + layout_.rs_slot(rank_, 0), 0};
+    srcs[p] = {flag_in(rank_, words_of(kRs).where, p), p, ring_at(p, layout_.rs_slot(rank_, 0)), 0};
   }
   // Each round on lane 0: this rank's input out (staged: once its readers are done with the
   // last round), then its part of everyone's reduced. A rank's staging waits only for rounds
@@ -292,7 +292,7 @@ void Protocol::reduce_scatter_direct(void* out, const void* in, size_t out_numel
     const size_t len = std::min(round, part - std::min(off, part));
     direct_round(kRs, r, rounds, where, id, desc, reads, [&] {  // each reader's part, in its region
       for (int q : others_) {
-        if (len) t_->copy(0, t_->window(rank_) + layout_.rs_slot(q, 0), in_b + q * part + off, len);
+        if (len) t_->copy(0, ring_at(rank_, layout_.rs_slot(q, 0)), in_b + q * part + off, len);
       }
     });
     t_->wait(0, ready_here, others_, base + r + 1, {"reduce_scatter", "the input of", op_seq},

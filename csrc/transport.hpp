@@ -61,6 +61,10 @@ class Transport {
  public:
   virtual ~Transport() = default;
   virtual char* window(int rank) = 0;
+  // Where rank's rings lie: the window's bytes from layout.ag_ring on (its AG ring and RS
+  // landing rings) are at rings(rank) + (offset - layout.ag_ring). Valid within an operation
+  // (a transport may give them back between operations and take them again at the next).
+  virtual char* rings(int rank) = 0;
   // Block lane until every counter (in this rank's window) is >= target; then, with a
   // check, compare the peers' descriptors with this rank's.
   virtual void wait(int lane, const std::vector<const uint64_t*>& flags,
@@ -182,7 +186,8 @@ class Arenas {
   // Collective over the group, once no operation on arena `id` is in flight on any rank: its
   // memory is given back (e.g. while a trainer has offloaded the model) and the id is not valid
   // any more. False where the memory cannot be given back (NVSHMEM's heap): the arena is kept,
-  // valid and unchanged.
+  // valid and unchanged. The last arena released may take the window's rings with it
+  // (Transport::rings): the group's next operation or arena takes them again.
   virtual bool release_arena(int id) = 0;
   virtual char* arena(int id, int rank) = 0;
   // dst[i] += src[i] (src in `dtype`, dst fp32), safe while other ranks add into dst.

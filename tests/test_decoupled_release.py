@@ -1,6 +1,7 @@
 """odc.release / odc.restore: decoupled mode gives its arena back between minibatches (as a
-trainer that offloads the model to the host needs) and comes back with the parameters in new
-storage, training exactly as without; misuse is refused with a clear error."""
+trainer that offloads the model to the host needs), with the group's staging rings where no
+arena is left on it, and comes back with the parameters in new storage, training exactly as
+without; misuse is refused with a clear error."""
 from __future__ import annotations
 
 import pytest
@@ -29,6 +30,21 @@ def _shm_mappings() -> int:
         return sum("/dev/shm/" in line for line in f)
 
 
+_HOST_GROUP = None  # a gloo group: its barriers take nothing on the GPU
+
+
+def _device_free(device: str) -> int:
+    """Free device memory once every rank got here (where ranks share a GPU, none of them then
+    takes or gives back memory between two measurements of a release)."""
+    if device == "cpu":
+        return 0
+    torch.cuda.synchronize()
+    dist.barrier(group=_HOST_GROUP)
+    free = torch.cuda.mem_get_info()[0]
+    dist.barrier(group=_HOST_GROUP)
+    return free
+
+
 def _release_cycle(model, device: str, out: dict, forward: bool = True) -> None:
     """odc.release, the trainer's offload and load, odc.restore; then (forward) a forward-only
     pass, as a trainer's log-prob computation, and a second release after it."""
@@ -36,9 +52,12 @@ def _release_cycle(model, device: str, out: dict, forward: bool = True) -> None:
 
     arena = odc.decoupled._state_of(model).arena
     before = _shm_mappings()
+    free = _device_free(device)
     odc.release(model)
     if device == "cpu":  # the arena's segments (this rank's and each peer's) are unmapped
         out["unmapped"].append(before - _shm_mappings())
+    else:  # given back to the device (ranks sharing this GPU give theirs back too)
+        out["freed"].append(_device_free(device) - free)
     out["arenas"].append(arena)
     _offload_and_load(model, device)
     odc.restore(model)
@@ -53,7 +72,7 @@ def _train(mesh, device: str, *, decoupled: bool, release: bool, accumulate: str
     import torch_odc_backend as odc
 
     model, opt = fm.build(mesh, seed=3, device=device)
-    out = {"unmapped": [], "arenas": []}
+    out = {"unmapped": [], "arenas": [], "freed": []}
     if decoupled:
         odc.decouple(model, opt, accumulate=accumulate)
         if release:  # before the first minibatch: nothing published yet
@@ -72,7 +91,8 @@ def _train(mesh, device: str, *, decoupled: bool, release: bool, accumulate: str
         opt.zero_grad()
         if release:  # after the step (which published the next minibatch's shards)
             _release_cycle(model, device, out)
-    result = {"grads": grads, "params": fm.full_params(model), "unmapped": out["unmapped"]}
+    result = {"grads": grads, "params": fm.full_params(model), "unmapped": out["unmapped"],
+              "freed": out["freed"]}
     result["released_arenas_refused"] = []  # a released arena is gone: any call on it raises
     for arena in out["arenas"]:
         try:
@@ -116,6 +136,8 @@ def _worker(rank, world, device):
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     mesh = init_device_mesh(device, (world,))
+    global _HOST_GROUP
+    _HOST_GROUP = dist.new_group(backend="gloo")
     out = {"exact": _train(mesh, device, decoupled=False, release=False),
            "released": _train(mesh, device, decoupled=True, release=True),
            "released_local": _train(mesh, device, decoupled=True, release=True, accumulate="local"),
@@ -140,6 +162,13 @@ def test_release_and_restore_between_minibatches(device):
             assert r[run]["released_arenas_refused"] == [True] * (STEPS + 2), (rank, run)
             if device == "cpu":  # every rank's segment of the arena
                 assert r[run]["unmapped"] == [2] * (STEPS + 2), (rank, run, r[run]["unmapped"])
+        if device == "cuda":
+            # The first model's releases leave the group no arena: its window's rings go too
+            # (this rank's: slots x chunk for the all-gather ring and per peer for the landing
+            # rings), and come back for the next collective, which the results above cover.
+            from torch_odc_backend import _C
+            rings = _C.default_ring_slots * _C.default_chunk_bytes_cuda * (2 + 1)
+            assert min(r["released"]["freed"]) >= rings, (rank, r["released"]["freed"], rings)
         m = r["misuse"]
         assert "between minibatches" in m["during"], m
         assert "released" in m["forward"] and "odc.restore" in m["forward"], m

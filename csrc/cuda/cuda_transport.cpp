@@ -43,7 +43,8 @@ CudaTransport::CudaTransport(const TransportArgs& args, const CudaTransportOptio
   DeviceGuard g(device_);
   check(preload_kernels(), "loading the transport's kernels");
   fused_ = std::make_unique<FusedEngine>(a_.world, o.small_op_bytes, fused_blocks(o));
-  bases_ = memory_->open(a_, "ipc", a_.layout.total, "communication window");
+  bases_ = memory_->open(a_, "ipc", a_.layout.ag_ring, "communication window");
+  take_rings();
   if (o.zero_copy) segments_ = std::make_unique<SegmentTable>(a_, device_);
   errors_ = std::make_unique<DeviceErrorRecord>(a_, bases_, *memory_);
   StreamMemops memops;
@@ -72,14 +73,24 @@ CudaTransport::~CudaTransport() {
   copy_engines_.reset();
   fused_.reset();
   memory_->close(a_, bases_);
+  if (!rings_.empty()) memory_->close(a_, rings_);
   for (auto& a : arenas_) memory_->close(a_, a);  // (a released one is empty)
   errors_.reset();
   segments_.reset();  // its mappings and table belong to this device
   if (switched) (void)cudaSetDevice(prev);
 }
 
+void CudaTransport::take_rings() {
+  const std::string n = std::to_string(rings_made_++);
+  rings_ = memory_->open(a_, "ipc_rings" + n, a_.layout.rings_bytes(), "communication rings");
+  // No peer may copy into a rank's rings before their owner has zeroed them and every peer
+  // has opened them (the first time, the window's own barrier follows).
+  if (n != "0") store_barrier(a_, "ipc_rings_open" + n);
+}
+
 int CudaTransport::create_arena(size_t bytes) {
   DeviceGuard g(device_);
+  if (rings_.empty()) take_rings();
   const int id = static_cast<int>(arenas_.size());
   arenas_.push_back(memory_->open(a_, "ipc_arena" + std::to_string(id), bytes, "arena"));
   // No peer may signal into an arena before its owner has zeroed it.
@@ -96,6 +107,11 @@ bool CudaTransport::release_arena(int id) {
   store_barrier(a_, "ipc_arena_release" + std::to_string(id));
   memory_->close(a_, arenas_.at(id));
   arenas_[id].clear();
+  const bool none_left = std::all_of(arenas_.begin(), arenas_.end(), [](const auto& a) { return a.empty(); });
+  if (none_left && !rings_.empty()) {  // every rank decides alike
+    memory_->close(a_, rings_);
+    rings_.clear();
+  }
   return true;
 }
 
@@ -138,6 +154,10 @@ void CudaTransport::put_after(int lane, const uint64_t* flag, int peer, uint64_t
 }
 
 void CudaTransport::begin_op(void* stream, Ring ring, Ring also) {
+  if (rings_.empty()) {  // given back with the last arena: every rank's next operation
+    DeviceGuard g(device_);
+    take_rings();
+  }
   op_ = CurrentOp{static_cast<cudaStream_t>(stream), ring, also, EngineUse{}};
   order_.forget_last();
   recording_.clear();

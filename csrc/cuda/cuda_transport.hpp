@@ -42,6 +42,7 @@ class CudaTransport final : public Transport, public ZeroCopyReads, public Arena
 
   // ---- Transport: recorded, run at end_op
   char* window(int rank) override { return bases_[rank]; }
+  char* rings(int rank) override { return rings_[rank]; }
   void wait(int lane, const std::vector<const uint64_t*>& flags, const std::vector<int>& peers,
             uint64_t target, const WaitSite& site, const DescCheck* check) override {
     recording_.wait(lane, flags, peers, target, site, check);
@@ -107,7 +108,14 @@ class CudaTransport final : public Transport, public ZeroCopyReads, public Arena
   TransportArgs a_;
   int device_;
   std::unique_ptr<DeviceMemory> memory_;
-  std::vector<char*> bases_;                // every rank's window
+  std::vector<char*> bases_;                // every rank's window: its counters
+  // Every rank's rings (the window's bytes from layout.ag_ring on), apart from its counters:
+  // given back with the last arena (release_arena: a trainer that offloads the model then
+  // holds little on the GPU) and taken again at the group's next operation or arena, points
+  // every rank reaches alike (no arena is left whose operations ranks issue unalike).
+  std::vector<char*> rings_;
+  int rings_made_ = 0;
+  void take_rings();  // collective, where rings_ is empty
   std::vector<std::vector<char*>> arenas_;  // per arena: every rank's base
   std::unique_ptr<SegmentTable> segments_;  // direct collectives: the segments ranks share
   std::unique_ptr<DeviceErrorRecord> errors_;

@@ -178,7 +178,7 @@ def _time_interleaved(ctx: BenchContext, fns: dict, backends: list[str], k: int)
     return times, host
 
 
-ODC_BACKENDS = ("odc", "odc_nocheck", "odc_staged", "odc_staged_push", "odc_registered")
+BACKENDS_OF_ODC = ("odc", "odc_nocheck", "odc_staged", "odc_staged_push", "odc_registered")
 
 
 def _stats(ctx: BenchContext, backend: str) -> dict:
@@ -217,7 +217,7 @@ def measure(ctx: BenchContext, op: str, nbytes: int, skip: set) -> list[dict]:
         fns[name] = fn
         backends.append(name)
     k = ops_per_trial(ctx.args, nbytes)
-    odc = [b for b in backends if ctx.cuda and b in ODC_BACKENDS]
+    odc = [b for b in backends if ctx.cuda and b in BACKENDS_OF_ODC]
     stats_before = {b: _stats(ctx, b) for b in odc}
     times, host = _time_interleaved(ctx, fns, backends, k)
     guesses = {b: guesses_from_stats(stats_before[b], _stats(ctx, b)) for b in odc}  # the timed calls'

@@ -178,7 +178,7 @@ struct WindowLayout {
   size_t descs = 0;
   size_t announce = 0;  // offset of the announce slots: [world][kAnnounceSlots] words
   // The rings come last, from ag_ring to total: a transport may keep them apart from the
-  // counters (Transport::rings), to give them back while the group holds no arena.
+  // counters (Transport::window), to give them back while the group holds no arena.
   size_t ag_ring = 0;  // offset of the AG ring (slots * chunk_bytes)
   size_t rs_ring = 0;  // offset of the RS landing rings (world * slots * chunk_bytes)
   size_t total = 0;

@@ -150,7 +150,9 @@ class Protocol {
  private:
   uint64_t* flag_in(int owner, WindowLayout::Flag kind, int index);
   // The window's ring bytes at `offset` (layout_.ag_slot / rs_slot / ag_ring) of `owner`.
-  char* ring_at(int owner, size_t offset) { return t_->rings(owner) + (offset - layout_.ag_ring); }
+  char* ring_at(int owner, size_t offset) {
+    return t_->window(owner, Transport::kRings) + (offset - layout_.ag_ring);
+  }
   uint64_t* desc_in(int owner, WindowLayout::Desc kind, int peer, uint64_t chunk);
   uint64_t chunks(size_t bytes, bool at_least_one) const;
   // At a collective's first transfer: store its announcement (desc without the byte count;

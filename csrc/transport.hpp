@@ -60,11 +60,12 @@ class Arenas;
 class Transport {
  public:
   virtual ~Transport() = default;
-  virtual char* window(int rank) = 0;
-  // Where rank's rings lie: the window's bytes from layout.ag_ring on (its AG ring and RS
-  // landing rings) are at rings(rank) + (offset - layout.ag_ring). Valid within an operation
-  // (a transport may give them back between operations and take them again at the next).
-  virtual char* rings(int rank) = 0;
+  // A window has two parts: its counters (the layout's offsets below ag_ring) and its rings
+  // (its AG ring and RS landing rings: the bytes at offset >= layout.ag_ring lie at
+  // window(rank, kRings) + (offset - layout.ag_ring)). The rings' place is valid within an
+  // operation: a transport may give them back between operations and take them at the next.
+  enum Part { kCounters, kRings };
+  virtual char* window(int rank, Part part = kCounters) = 0;
   // Block lane until every counter (in this rank's window) is >= target; then, with a
   // check, compare the peers' descriptors with this rank's.
   virtual void wait(int lane, const std::vector<const uint64_t*>& flags,
@@ -187,7 +188,7 @@ class Arenas {
   // memory is given back (e.g. while a trainer has offloaded the model) and the id is not valid
   // any more. False where the memory cannot be given back (NVSHMEM's heap): the arena is kept,
   // valid and unchanged. The last arena released may take the window's rings with it
-  // (Transport::rings): the group's next operation or arena takes them again.
+  // (Transport::window, kRings): the group's next operation or arena takes them again.
   virtual bool release_arena(int id) = 0;
   virtual char* arena(int id, int rank) = 0;
   // dst[i] += src[i] (src in `dtype`, dst fp32), safe while other ranks add into dst.

@@ -25,8 +25,9 @@ class ShmTransport final : public Transport, public Arenas {
   explicit ShmTransport(const TransportArgs& args);
   ~ShmTransport() override;
 
-  char* window(int rank) override { return maps_[rank]; }
-  char* rings(int rank) override { return maps_[rank] + a_.layout.ag_ring; }  // in the window
+  char* window(int rank, Part part = kCounters) override {  // the rings within the mapping
+    return part == kRings ? maps_[rank] + a_.layout.ag_ring : maps_[rank];
+  }
   void wait(int lane, const std::vector<const uint64_t*>& flags, const std::vector<int>& peers,
             uint64_t target, const WaitSite& site, const DescCheck* check) override;
   void signal(int lane, const std::vector<uint64_t*>& flags, uint64_t value) override;

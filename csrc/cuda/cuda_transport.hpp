@@ -41,8 +41,9 @@ class CudaTransport final : public Transport, public ZeroCopyReads, public Arena
   ~CudaTransport() override;
 
   // ---- Transport: recorded, run at end_op
-  char* window(int rank) override { return bases_[rank]; }
-  char* rings(int rank) override { return rings_[rank]; }
+  char* window(int rank, Part part = kCounters) override {
+    return part == kRings ? rings_[rank] : bases_[rank];
+  }
   void wait(int lane, const std::vector<const uint64_t*>& flags, const std::vector<int>& peers,
             uint64_t target, const WaitSite& site, const DescCheck* check) override {
     recording_.wait(lane, flags, peers, target, site, check);

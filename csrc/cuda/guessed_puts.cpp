@@ -8,8 +8,6 @@
 namespace odc {
 
 GuessedPuts::~GuessedPuts() {
-  for (auto& [key, g] : graphs_) destroy(g);
-  for (auto& g : retired_) destroy(g);
   if (tally_) (void)cudaFree(tally_);
   if (tally_stream_) (void)cudaStreamDestroy(tally_stream_);
 }
@@ -27,23 +25,6 @@ void GuessedPuts::destroy(Graph& g) {  // parts not made yet are null
   if (g.graph) (void)cudaGraphDestroy(g.graph);
   if (g.last) (void)cudaEventDestroy(g.last);
   if (g.hits) (void)cudaFree(g.hits);
-}
-
-void GuessedPuts::retire() {
-  constexpr size_t kMaxGraphs = 1024;
-  if (graphs_.size() >= kMaxGraphs) {  // rare: drop them all, each once its last launch is done
-    for (auto& [k, g] : graphs_) retired_.push_back(g);
-    graphs_.clear();
-  }
-  for (auto it = retired_.begin(); it != retired_.end();) {
-    if (cudaEventQuery(it->last) != cudaSuccess) {
-      (void)cudaGetLastError();
-      ++it;
-      continue;
-    }
-    destroy(*it);
-    it = retired_.erase(it);
-  }
 }
 
 GuessGateOp GuessedPuts::gate_of(const Graph& g, const std::vector<Put>& puts, const WaitCheck& check,
@@ -102,21 +83,13 @@ void GuessedPuts::build(Graph& g, const std::vector<Put>& puts) {
 }
 
 GuessedPuts::Graph& GuessedPuts::graph_of(const std::vector<Put>& puts) {
-  std::vector<uintptr_t> key;  // where each push writes, from where, how much
+  GraphCache<Graph>::Key key;  // where each push writes, from where, how much
   for (const Put& p : puts) {
     key.insert(key.end(), {reinterpret_cast<uintptr_t>(p.dst), reinterpret_cast<uintptr_t>(p.src), p.bytes});
   }
-  auto it = graphs_.find(key);
-  if (it != graphs_.end()) return it->second;
-  retire();
-  Graph g;
-  try {
-    build(g, puts);
-  } catch (...) {
-    destroy(g);
-    throw;
-  }
-  return graphs_.emplace(key, g).first->second;
+  if (Graph* g = graphs_.find(key)) return *g;
+  graphs_.retire();
+  return graphs_.add(key, [&](Graph& g) { build(g, puts); });
 }
 
 const uint64_t* GuessedPuts::launch(cudaStream_t stream, const std::vector<Put>& puts,

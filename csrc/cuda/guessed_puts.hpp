@@ -16,9 +16,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <map>
 #include <vector>
 
+#include "graph_cache.hpp"
 #include "kernels.cuh"
 
 namespace odc {
@@ -60,13 +60,11 @@ class GuessedPuts {
   void build(Graph& g, const std::vector<Put>& puts);
   GuessGateOp gate_of(const Graph& g, const std::vector<Put>& puts, const WaitCheck& check,
                       uint64_t serial);
-  void retire();  // destroys graphs dropped from the map once their last launch is done
   static void destroy(Graph& g);
 
   unsigned long long* tally_ = nullptr;  // device memory: Tally's two counts (GuessGateOp)
   cudaStream_t tally_stream_ = nullptr;
-  std::map<std::vector<uintptr_t>, Graph> graphs_;
-  std::vector<Graph> retired_;
+  GraphCache<Graph> graphs_{&GuessedPuts::destroy};
 };
 
 }  // namespace odc

@@ -5,11 +5,6 @@
 
 namespace odc {
 
-PutGraphs::~PutGraphs() {
-  for (auto& [key, g] : graphs_) destroy(g);
-  for (auto& g : retired_) destroy(g);
-}
-
 // The gate of the puts of `set`: their counters, target and checks, the group's timeout, error
 // record and watch.
 GateOp PutGraphs::gate_of(const Set& set, const StepRecording& r, const OpEnv& env, uint64_t* go,
@@ -57,33 +52,8 @@ std::vector<PutGraphs::Set> PutGraphs::sets_of(const StepRecording& r, size_t fi
 PutGraphs::Graph& PutGraphs::graph_of(const std::vector<Set>& sets,
                                       const std::vector<uintptr_t>& key, const StepRecording& r,
                                       const OpEnv& env) {
-  auto it = graphs_.find(key);
-  if (it != graphs_.end()) return it->second;
-  Graph g;
-  try {
-    build(sets, r, env, g);
-  } catch (...) {
-    destroy(g);
-    throw;
-  }
-  return graphs_.emplace(key, std::move(g)).first->second;
-}
-
-// Once per operation with puts, before any is prepared (so that the graphs it prepares stay).
-void PutGraphs::retire() {
-  constexpr size_t kMaxPutGraphs = 1024;
-  if (graphs_.size() >= kMaxPutGraphs) {  // rare: drop them all, each once its last launch is done
-    for (auto& [k, g] : graphs_) retired_.push_back(g);
-    graphs_.clear();
-  }
-  for (auto it = retired_.begin(); it != retired_.end();) {
-    if (cudaEventQuery(it->last) != cudaSuccess) {
-      ++it;
-      continue;
-    }
-    destroy(*it);
-    it = retired_.erase(it);
-  }
+  if (Graph* g = graphs_.find(key)) return *g;
+  return graphs_.add(key, [&](Graph& g) { build(sets, r, env, g); });
 }
 
 void PutGraphs::build(const std::vector<Set>& sets, const StepRecording& r, const OpEnv& env,
@@ -148,7 +118,7 @@ std::vector<PutGraphs::Run> PutGraphs::prepare(const StepRecording& r, const OpE
   const std::vector<Step>& steps = r.steps();
   for (size_t i = 0; i < steps.size(); ++i) {
     if (!steps[i].guarded) continue;
-    if (runs.empty()) retire();
+    if (runs.empty()) graphs_.retire();  // before any is prepared: the ones it prepares stay
     size_t end = i;
     while (end < steps.size() && steps[end].guarded) ++end;
     runs.push_back(prepare_run(r, i, end, env));

@@ -9,9 +9,9 @@
 // peer (docs/performance.md). The fused kernel runs puts as any other steps.
 #pragma once
 
-#include <map>
 #include <vector>
 
+#include "graph_cache.hpp"
 #include "op_env.hpp"
 
 namespace odc {
@@ -37,7 +37,6 @@ class PutGraphs {
     Graph* graph;  // stays made until the next operation's prepare
   };
 
-  ~PutGraphs();
   // Each run of puts of `r` with its graph, made before anything of the operation is enqueued
   // (its "ready" among it): a graph that cannot be made fails the call before any peer may
   // write here. (No operation is captured into a user's graph: the launch refuses capture,
@@ -52,13 +51,11 @@ class PutGraphs {
   Graph& graph_of(const std::vector<Set>& sets, const std::vector<uintptr_t>& key,
                   const StepRecording& r, const OpEnv& env);
   void build(const std::vector<Set>& sets, const StepRecording& r, const OpEnv& env, Graph& g);
-  void retire();
   static void destroy(Graph& g);
   static GateOp gate_of(const Set& set, const StepRecording& r, const OpEnv& env, uint64_t* go,
                         cudaGraphConditionalHandle cond);
 
-  std::map<std::vector<uintptr_t>, Graph> graphs_;
-  std::vector<Graph> retired_;  // dropped from the map, destroyed once idle
+  GraphCache<Graph> graphs_{&PutGraphs::destroy};
 };
 
 }  // namespace odc

@@ -144,15 +144,26 @@ def test_rounds_and_freed_segments(world, alloc_conf):
 
 
 def _mixed_outputs_worker(rank, world):
-    """Pushed all-gathers where, in every call, half the ranks have an output in a new segment
-    (not mapped by the peers yet: they read for themselves) and half reuse theirs (their peers
-    push into it); inputs in place and not, of one and of several staging rounds."""
+    """Pushed all-gathers where, in every call after the first, half the ranks have an output in
+    a new segment (a new memory pool's: not mapped by the peers, so they read for themselves)
+    and half reuse theirs (mapped by every peer before the call, so their peers push into it);
+    inputs in place and not, of one and of several staging rounds. Returns, per call, whether
+    this rank's output was pushed into and whether it was meant to be."""
     dev = _device()
     os.environ["ODC_ZERO_COPY"] = "0"
     staged = dist.new_group(list(range(world)))
     os.environ.pop("ODC_ZERO_COPY")
     pushed = lambda: dict(dist.group.WORLD._get_backend(dev).stats()).get("direct_pushed_ops", 0)
-    errors, pushed_calls = [], []
+    tiny = torch.zeros(world, device=dev)
+
+    def settle():
+        # An operation of the group: each peer maps the segments shared in the last call
+        # (SegmentTable::refresh), and the barrier orders that before anyone's next locate.
+        dist.all_gather_into_tensor(tiny, tiny[rank:rank + 1])
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    errors, calls = [], []
     for step in range(4):
         # fp32: 12 MB per rank (7 rounds of 2 MiB; the copy engines) and 1.2 MB (the fused kernel)
         n = [3_000_000, 300_000][step % 2]
@@ -161,14 +172,15 @@ def _mixed_outputs_worker(rank, world):
             out, inp = _inputs(dev, case, 31 * step + in_place)
             ref = out.clone()
             _call(case, ref, inp, staged)
+            pools = []  # alive until the step ends, so no new output lands in a mapped segment
             for k in range(4):
                 fresh = (rank + k) % 2 == 0
-                if fresh and k:  # a new segment (the cache emptied): its peers have not mapped it
+                if fresh and k:
                     keep = inp.clone() if not in_place else out[rank * n:(rank + 1) * n].clone()
-                    del out, inp
-                    torch.cuda.empty_cache()
-                    out, inp = torch.empty(world * n, dtype=F32, device=dev), None
-                    inp = out[rank * n:(rank + 1) * n] if in_place else torch.empty(n, dtype=F32, device=dev)
+                    pools.append(torch.cuda.MemPool())
+                    with torch.cuda.use_mem_pool(pools[-1]):
+                        out = torch.empty(world * n, dtype=F32, device=dev)
+                        inp = out[rank * n:(rank + 1) * n] if in_place else torch.empty(n, dtype=F32, device=dev)
                     inp.copy_(keep)
                     del keep
                 if not in_place:
@@ -176,14 +188,17 @@ def _mixed_outputs_worker(rank, world):
                 before = pushed()
                 _call(case, out, inp, None)
                 torch.cuda.synchronize()
-                pushed_calls.append(pushed() - before)
+                if k:
+                    calls.append((pushed() - before, 0 if fresh else 1))
                 if not torch.equal(out.view(torch.uint8), ref.view(torch.uint8)):
                     errors.append(f"step {step} in place {in_place} call {k}: differs from the staged path")
-                dist.barrier()
+                settle()
             del out, inp, ref
+            pools.clear()
+            torch.cuda.empty_cache()  # the segments go back to the driver: their ends are told
     errors += _alternating_outputs(dev, staged, world, rank)
     errors += _guesses_from_ahead(dev, world, rank)
-    return errors, pushed_calls
+    return errors, calls
 
 
 def _alternating_outputs(dev, staged, world, rank):
@@ -247,9 +262,8 @@ def test_pushed_and_read_outputs_in_one_call(world):
     env = {**GPU_ENV, "ODC_CHUNK_BYTES": "1M", "ODC_RING_SLOTS": "2", "ODC_AG_PUSH": "1"}
     res = run_distributed(_mixed_outputs_worker, world, backend="cpu:gloo,cuda:odc", env=env,
                           timeout_s=60, deadline_s=240)
-    for rank, (errors, _) in res.items():
+    for rank, (errors, calls) in res.items():
         assert not errors, f"rank {rank}: " + "\n".join(errors)
-    # Calls where some ranks' peers pushed into their outputs and other ranks read for themselves.
-    calls = list(zip(*(pushed for _, pushed in res.values())))
-    mixed = [i for i, c in enumerate(calls) if len(set(c)) == 2]
-    assert len(mixed) >= 4, calls
+        # Every call after the first pushed into exactly the reused outputs: half the ranks were
+        # pushed into while the other half read for themselves, in the same call.
+        assert [got for got, _ in calls] == [want for _, want in calls], (rank, calls)

@@ -54,7 +54,8 @@ RESULT = "verl_sft_result.json"
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Qwen2-style shapes (random weights): hidden, layers, heads, kv heads, MLP, vocab
 SIZES = {"tiny": (64, 2, 4, 2, 128, 320), "0.5b": (896, 24, 14, 2, 4864, 32768),
-         "1.5b": (1536, 28, 12, 2, 8960, 32768)}
+         "1.5b": (1536, 28, 12, 2, 8960, 32768), "3b": (2048, 36, 16, 2, 11008, 32768),
+         "7b": (3584, 28, 28, 4, 18944, 32768)}
 WORDS = ("the a cat dog sat on mat what is two plus three answer five ok yes no number add sum of "
          "and river stone light green across under over quick slow bright").split()
 

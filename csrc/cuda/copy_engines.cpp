@@ -64,6 +64,7 @@ Transport::EngineUse CopyEngines::run(StepRecording& r, const OpEnv& env, EventP
   }
   flush_all_signals(op);
   lanes_.join();
+  if (op.guess_hits) guessed_.done(env.stream);  // after the SM copies that read its hit words
   if (watchdog) {
     cudaEvent_t end = events.take();
     check(cudaEventRecord(end, env.stream), "recording an event");
@@ -235,6 +236,7 @@ void CopyEngines::launch_guessed(Issue& op) {
   for (size_t i = 0; i < steps.size(); ++i) {
     const LocatedPushStep* s = steps[i].as<LocatedPushStep>();
     if (!s || !s->guess_at) continue;
+    if (puts.size() == static_cast<size_t>(kMaxGatePeers)) break;  // one gate's: the rest SM copies
     const WaitStep* w = nullptr;  // the wait before it on its lane
     for (size_t j = i; j-- > 0 && !w;) {
       if (steps[j].lane == steps[i].lane) w = steps[j].as<WaitStep>();
@@ -262,9 +264,9 @@ void CopyEngines::issue_push(Issue& op, int lane, const LocatedPushStep& s) {
   Located to = s.dst;
   to.staged = nullptr;  // a peer whose output is not mapped here: nothing to write
   const uint64_t* hit = nullptr;
-  if (s.guess_at) {
-    if (!op.guess_hits) launch_guessed(op);
-    const size_t k = std::find(op.guessed.begin(), op.guessed.end(), &s) - op.guessed.begin();
+  if (s.guess_at && !op.guess_hits) launch_guessed(op);
+  const size_t k = std::find(op.guessed.begin(), op.guessed.end(), &s) - op.guessed.begin();
+  if (k < op.guessed.size()) {  // among the graph's (not past one gate's kMaxGatePeers)
     prepare(op, lane);
     check(cudaStreamWaitEvent(lanes_.stream(lane), guessed_done_, 0), "waiting for an event");
     hit = op.guess_hits + k;

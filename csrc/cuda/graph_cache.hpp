@@ -40,12 +40,18 @@ class GraphCache {
       destroy_(g);
       throw;
     }
-    return graphs_.emplace(key, std::move(g)).first->second;
+    try {
+      return graphs_.emplace(key, std::move(g)).first->second;
+    } catch (...) {
+      destroy_(g);
+      throw;
+    }
   }
   // Destroys the dropped graphs whose last launch is done (past kMaxGraphs, rare: drops them all
   // first). Graphs found or added since the last call stay valid until the next.
   void retire() {
     if (graphs_.size() >= kMaxGraphs) {
+      retired_.reserve(retired_.size() + graphs_.size());  // no throw halfway: none held twice
       for (auto& [key, g] : graphs_) retired_.push_back(g);
       graphs_.clear();
     }

@@ -46,9 +46,10 @@ GuessGateOp GuessedPuts::gate_of(const Graph& g, const std::vector<Put>& puts, c
   return op;
 }
 
-void GuessedPuts::build(Graph& g, const std::vector<Put>& puts) {
+void GuessedPuts::build(Graph& g, const std::vector<Put>& puts, cudaStream_t stream) {
   check(cudaMalloc(&g.hits, puts.size() * sizeof(uint64_t)), "allocating the pushes' words");
-  check(cudaMemset(g.hits, 0, puts.size() * sizeof(uint64_t)), "zeroing the pushes' words");
+  // on the stream the graph runs on: the legacy stream's memset has no order with it
+  check(cudaMemsetAsync(g.hits, 0, puts.size() * sizeof(uint64_t), stream), "zeroing the pushes' words");
   check(cudaEventCreateWithFlags(&g.last, cudaEventDisableTiming), "creating an event");
   check(cudaGraphCreate(&g.graph, 0), "creating the pushes' graph");
   for (size_t i = 0; i < puts.size(); ++i) {
@@ -82,14 +83,14 @@ void GuessedPuts::build(Graph& g, const std::vector<Put>& puts) {
   check(cudaGraphInstantiate(&g.exec, g.graph, 0), "instantiating the pushes' graph");
 }
 
-GuessedPuts::Graph& GuessedPuts::graph_of(const std::vector<Put>& puts) {
+GuessedPuts::Graph& GuessedPuts::graph_of(const std::vector<Put>& puts, cudaStream_t stream) {
   GraphCache<Graph>::Key key;  // where each push writes, from where, how much
   for (const Put& p : puts) {
     key.insert(key.end(), {reinterpret_cast<uintptr_t>(p.dst), reinterpret_cast<uintptr_t>(p.src), p.bytes});
   }
   if (Graph* g = graphs_.find(key)) return *g;
   graphs_.retire();
-  return graphs_.add(key, [&](Graph& g) { build(g, puts); });
+  return graphs_.add(key, [&](Graph& g) { build(g, puts, stream); });
 }
 
 const uint64_t* GuessedPuts::launch(cudaStream_t stream, const std::vector<Put>& puts,
@@ -100,16 +101,22 @@ const uint64_t* GuessedPuts::launch(cudaStream_t stream, const std::vector<Put>&
   if (!tally_) {
     check(cudaStreamCreateWithFlags(&tally_stream_, cudaStreamNonBlocking), "creating a stream");
     check(cudaMalloc(&tally_, 2 * sizeof(unsigned long long)), "allocating the pushes' tally");
-    check(cudaMemset(tally_, 0, 2 * sizeof(unsigned long long)), "zeroing the pushes' tally");
+    check(cudaMemsetAsync(tally_, 0, 2 * sizeof(unsigned long long), stream), "zeroing the pushes' tally");
   }
-  Graph& g = graph_of(puts);
+  Graph& g = graph_of(puts, stream);
   GuessGateOp op = gate_of(g, puts, check_of, serial);
   void* args[1] = {&op};
   const cudaKernelNodeParams kp = guess_gate_node_params(args);
   check(cudaGraphExecKernelNodeSetParams(g.exec, g.gate, &kp), "setting the pushes' gate");
   check(cudaGraphLaunch(g.exec, stream), "launching the pushes");
-  check(cudaEventRecord(g.last, stream), "recording an event");
+  launched_ = &g;
   return g.hits;
+}
+
+void GuessedPuts::done(cudaStream_t stream) {
+  if (!launched_) return;
+  check(cudaEventRecord(launched_->last, stream), "recording an event");
+  launched_ = nullptr;
 }
 
 }  // namespace odc

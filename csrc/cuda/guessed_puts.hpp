@@ -37,9 +37,13 @@ class GuessedPuts {
   };
   ~GuessedPuts();
   // On `stream`, the graph of `puts` (at most kMaxGatePeers) behind one gate of `check`; its
-  // hits are marked with `serial`. Returns the hit words, one per put (device memory).
+  // hits are marked with `serial`. Returns the hit words, one per put (device memory), which
+  // the pushes' SM copies read after it.
   const uint64_t* launch(cudaStream_t stream, const std::vector<Put>& puts, const WaitCheck& check,
                          uint64_t serial);
+  // On `stream`, once the operation's last reader of the hit words is ordered before it: the
+  // last launch's graph (and its hit words) may be destroyed once this point has run.
+  void done(cudaStream_t stream);
   // Pushes its gates examined so far, and those whose guess they confirmed (diagnostics: read
   // from the device on a stream of its own, so it waits for no collective).
   struct Tally {
@@ -54,10 +58,10 @@ class GuessedPuts {
     cudaGraphNode_t gate = nullptr;
     std::vector<cudaGraphConditionalHandle> conds;
     uint64_t* hits = nullptr;    // device memory, one per put
-    cudaEvent_t last = nullptr;  // recorded after its last launch
+    cudaEvent_t last = nullptr;  // recorded after its last launch's readers (done)
   };
-  Graph& graph_of(const std::vector<Put>& puts);
-  void build(Graph& g, const std::vector<Put>& puts);
+  Graph& graph_of(const std::vector<Put>& puts, cudaStream_t stream);
+  void build(Graph& g, const std::vector<Put>& puts, cudaStream_t stream);
   GuessGateOp gate_of(const Graph& g, const std::vector<Put>& puts, const WaitCheck& check,
                       uint64_t serial);
   static void destroy(Graph& g);
@@ -65,6 +69,7 @@ class GuessedPuts {
   unsigned long long* tally_ = nullptr;  // device memory: Tally's two counts (GuessGateOp)
   cudaStream_t tally_stream_ = nullptr;
   GraphCache<Graph> graphs_{&GuessedPuts::destroy};
+  Graph* launched_ = nullptr;  // the last launch's, until done()
 };
 
 }  // namespace odc

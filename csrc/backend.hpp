@@ -193,8 +193,9 @@ class OdcBackend final : public c10d::Backend {
   // for the key up to the group's timeout.
   void publish(const std::string& key, const std::string& value);
   std::string lookup(const std::string& key);
-  // Whether odc serves the collectives FSDP does not issue itself on `device` (ODC_SELF_SERVE).
-  bool serves_itself(const c10::Device& device);
+  // Whether odc serves a collective FSDP does not issue itself on `device` (ODC_SELF_SERVE), of
+  // `bytes` per rank (SIZE_MAX where ranks may pass different sizes: never small).
+  bool serves_itself(const c10::Device& device, size_t bytes);
 
   // The inner backend for a device type ("cpu" / "cuda"), created on first use.
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);

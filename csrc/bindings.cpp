@@ -239,6 +239,7 @@ void bind_build(py::module& m) {
         const odc::PlacementChoices c = odc::placement_choices(p, options);
         py::dict d;
         d["shares_device"] = c.shares_device;
+        d["own_gpus"] = c.own_gpus;
         d["push_all_gather"] = c.push_all_gather;
         d["ranks_on_gpu"] = p.ranks_on_gpu();  // this rank's own: sizes only its own kernels
         return d;

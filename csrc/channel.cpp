@@ -40,6 +40,7 @@ std::string cross_host_refusal(const Channel& ch, const Options& options, const 
 PlacementChoices placement_choices(const Placement& p, const Options& o) {
   PlacementChoices c;
   c.shares_device = p.some_ranks_share_a_gpu();
+  c.own_gpus = p.own_gpus();
   c.push_all_gather = o.pushes_all_gathers(static_cast<int>(p.gpus.size()), p.own_gpus());  // pushes map every peer
   return c;
 }
@@ -83,6 +84,7 @@ void set_cuda_transport(Channel& ch, const TransportArgs& a, const Options& o) {
   ch.async_stream = take_async_stream(device);
   const PlacementChoices c = placement_choices(p, o);
   ch.shares_device = c.shares_device;
+  ch.own_gpus = c.own_gpus;
   ch.push_all_gather = c.push_all_gather;
 }
 

@@ -38,6 +38,7 @@ struct Channel {
   std::string hosts_why;
   void* async_stream = nullptr;  // CUDA: the side stream async ops run on (cuda_setup.hpp)
   bool shares_device = false;    // CUDA: some ranks of the group use the same GPU
+  bool own_gpus = false;         // CUDA: every rank has a GPU of its own, every peer mapped
   // Zero-copy all-gathers push each rank's shard into its peers' outputs instead of reading
   // theirs (ODC_AG_PUSH; auto: where every rank of the group has a GPU of its own on this host,
   // 3 ranks or more). The same on every rank: decided from what every rank sees alike.
@@ -52,6 +53,7 @@ struct Placement;
 // (agreement.hpp): the same on every rank, since the placement is the group's.
 struct PlacementChoices {
   bool shares_device = false;    // Channel::shares_device
+  bool own_gpus = false;         // Channel::own_gpus
   bool push_all_gather = false;  // Channel::push_all_gather
 };
 PlacementChoices placement_choices(const Placement& p, const Options& o);

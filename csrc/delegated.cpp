@@ -37,38 +37,47 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
   } while (0)
 
 // The collectives FSDP does not issue go to the inner backend, or to odc itself where that
-// cannot serve them (serves_itself: own_collectives.cpp).
-#define ODC_SERVE_OR_DELEGATE(device, own, call) \
-  do {                                           \
-    const c10::Device dev_ = (device);           \
-    if (serves_itself(dev_)) return own;         \
-    ODC_DELEGATE(dev_.type(), call);             \
+// cannot serve them or they are small (serves_itself: own_collectives.cpp); `bytes`: this
+// rank's, which every rank passes alike.
+#define ODC_SERVE_OR_DELEGATE(device, bytes, own, call) \
+  do {                                                  \
+    const c10::Device dev_ = (device);                  \
+    if (serves_itself(dev_, (bytes))) return own;       \
+    ODC_DELEGATE(dev_.type(), call);                    \
   } while (0)
+
+namespace {
+size_t bytes_of(const std::vector<at::Tensor>& ts) {
+  size_t n = 0;
+  for (const auto& t : ts) n += static_cast<size_t>(t.numel()) * t.element_size();
+  return n;
+}
+}  // namespace
 
 
 c10::intrusive_ptr<c10d::Work> OdcBackend::broadcast(std::vector<at::Tensor>& t,
                                                      const c10d::BroadcastOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t), own_broadcast(t, o), broadcast(t, o));
+  ODC_SERVE_OR_DELEGATE(device_of(t), bytes_of(t), own_broadcast(t, o), broadcast(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce(std::vector<at::Tensor>& t,
                                                      const c10d::AllreduceOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t), own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce"),
+  ODC_SERVE_OR_DELEGATE(device_of(t), bytes_of(t), own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce"),
                         allreduce(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce_coalesced(
     std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t),
+  ODC_SERVE_OR_DELEGATE(device_of(t), bytes_of(t),
                         own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce_coalesced"),
                         allreduce_coalesced(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::reduce(std::vector<at::Tensor>& t,
                                                   const c10d::ReduceOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t), own_reduce(t, o), reduce(t, o));
+  ODC_SERVE_OR_DELEGATE(device_of(t), bytes_of(t), own_reduce(t, o), reduce(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allgather(std::vector<std::vector<at::Tensor>>& out,
                                                      std::vector<at::Tensor>& in,
                                                      const c10d::AllgatherOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(in), own_allgather(out, in, o), allgather(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(in), bytes_of(in), own_allgather(out, in, o), allgather(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
@@ -78,29 +87,30 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> OdcBackend::gather(std::vector<std::vector<at::Tensor>>& out,
                                                   std::vector<at::Tensor>& in,
                                                   const c10d::GatherOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(in), own_gather(out, in, o), gather(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(in), bytes_of(in), own_gather(out, in, o), gather(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::scatter(std::vector<at::Tensor>& out,
                                                    std::vector<std::vector<at::Tensor>>& in,
                                                    const c10d::ScatterOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(out), own_scatter(out, in, o), scatter(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(out), bytes_of(out), own_scatter(out, in, o), scatter(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter(
     std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
     const c10d::ReduceScatterOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(out), own_reduce_scatter(out, in, o), reduce_scatter(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(out), bytes_of(out), own_reduce_scatter(out, in, o),
+                        reduce_scatter(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall_base(at::Tensor& out, at::Tensor& in,
                                                          std::vector<int64_t>& os,
                                                          std::vector<int64_t>& is,
                                                          const c10d::AllToAllOptions& o) {
-  ODC_SERVE_OR_DELEGATE(in.device(), own_alltoall_base(out, in, os, is, o),
+  ODC_SERVE_OR_DELEGATE(in.device(), SIZE_MAX, own_alltoall_base(out, in, os, is, o),  // sizes may differ
                         alltoall_base(out, in, os, is, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall(std::vector<at::Tensor>& out,
                                                     std::vector<at::Tensor>& in,
                                                     const c10d::AllToAllOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(in), own_alltoall(out, in, o), alltoall(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(in), SIZE_MAX, own_alltoall(out, in, o), alltoall(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::send(std::vector<at::Tensor>& t, int dst, int tag) {
   ODC_DELEGATE(device_of(t).type(), send(t, dst, tag));
@@ -120,10 +130,10 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o
         o.device && o.device->is_cuda()
             ? *o.device
             : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(o.device_ids[0]));
-    if (serves_itself(device)) return own_barrier(device);
+    if (serves_itself(device, 0)) return own_barrier(device);
     ODC_DELEGATE(c10::kCUDA, barrier(o));
   }
-  if (serves_itself(c10::Device(c10::kCPU))) return own_barrier(c10::Device(c10::kCPU));
+  if (serves_itself(c10::Device(c10::kCPU), 0)) return own_barrier(c10::Device(c10::kCPU));
   ODC_DELEGATE(c10::kCPU, barrier(o));
 }
 

@@ -50,6 +50,9 @@ class DeviceLaunch {
 // operation, so a replayed graph would find its waits already met and read before its peers
 // wrote.
 void* current_stream(const c10::Device& device, const char* what);
+// Whether the caller's current stream of `device` is being captured into a CUDA graph (false on
+// the host).
+bool stream_is_capturing(const c10::Device& device);
 // Begins a launch on `ch`'s device (the caller refused graph capture first: current_stream).
 std::unique_ptr<DeviceLaunch> begin_launch(Channel& ch, bool async_op);
 // The host's launch (no stream, nothing to wait for): what begin_launch gives host tensors.

@@ -9,6 +9,7 @@ namespace odc {
 
 std::unique_ptr<DeviceLaunch> begin_launch(Channel&, bool) { return host_launch(); }
 void* current_stream(const c10::Device&, const char*) { return nullptr; }
+bool stream_is_capturing(const c10::Device&) { return false; }
 RegisteredPool::StreamOrder stream_order(const c10::Device&) { return {}; }
 void release_device(Channel&) {}
 void* take_side_stream(const c10::Device&) { return nullptr; }

@@ -1,8 +1,9 @@
 // Layer 5, backend (backend.hpp).
 //
 // The collectives odc serves itself instead of its inner gloo / NCCL backend: where that
-// backend cannot (ranks sharing a GPU, which NCCL refuses; a torch without NCCL), or
-// everywhere with ODC_SELF_SERVE=1. All of them run on odc's own rings:
+// backend cannot (ranks sharing a GPU, which NCCL refuses; a torch without NCCL), where they
+// are small (serves_itself: no NCCL group is made for a scalar), or everywhere with
+// ODC_SELF_SERVE=1. All of them run on odc's own rings:
 //   all-reduce   a reduce-scatter then an all-gather (deterministic, in rank order)
 //   reduce       an all-reduce (non-roots reduce a copy: their tensors stay as they were)
 //   broadcast    a get from the root's all-gather ring
@@ -11,6 +12,7 @@
 //   barrier      a one-element all-reduce that the host waits for
 // Send / recv are not served: they stay with the inner backend.
 #include "backend.hpp"
+#include "device_work.hpp"
 
 #include <ATen/ATen.h>
 
@@ -60,14 +62,18 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* api)
 
 }  // namespace
 
-bool OdcBackend::serves_itself(const c10::Device& device) {
+bool OdcBackend::serves_itself(const c10::Device& device, size_t bytes) {
   if (options_->self_serve == SelfServe::Odc) return true;
   if (options_->self_serve == SelfServe::Inner || !device.is_cuda()) return false;
   if (!options_->nccl_available) return true;
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
   const Channel& ch = channel(device);  // sets the transport up (collective) the first time
-  return ch.hosts.empty() && ch.shares_device;  // across hosts: NCCL, whose ranks never share
+  if (!ch.hosts.empty()) return false;  // across hosts: NCCL, whose ranks never share
+  // Every rank decides alike: sharing is a fact of the group, and the ranks pass equal sizes
+  // (and capture the same region: odc's collectives cannot be captured, NCCL's can).
+  if (ch.shares_device) return true;
+  return ch.own_gpus && bytes <= kSelfServeBytes && !stream_is_capturing(device);
 }
 
 void OdcBackend::own_all_reduce(Channel& ch, void* stream, uint64_t seq, const at::Tensor& t,

@@ -57,7 +57,9 @@ def expected_odc_ops(cfg: dict, device_type: str) -> dict[str, int]:
         return need | ({"all_gather_ops": FSDP1_UNITS * STEPS} if device_type == "cuda" else
                        {"delegated_ops": FSDP1_UNITS * STEPS})
     if kind == "tp" and not cfg["sequence_parallel"]:
-        return {"delegated_ops": STEPS}  # plain TP communicates by all-reduce only
+        # plain TP communicates by all-reduce only: gloo's for CPU tensors; on GPUs odc serves
+        # these small ones itself (ODC_SELF_SERVE=auto)
+        return {"own_all_reduce_ops" if device_type == "cuda" else "delegated_ops": STEPS}
     if kind == "redistribute":
         return {"all_gather_ops": len(redistribute_cases())}  # at least one per case
     return {"all_gather_ops": STEPS, "reduce_scatter_ops": STEPS}

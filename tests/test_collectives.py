@@ -708,6 +708,35 @@ def test_own_collectives_on_gpu(world):
     to.assert_results(res, device="cuda")
 
 
+def _small_collectives_worker(rank, world):
+    dev = _device()
+    stats = lambda: dict(dist.group.WORLD._get_backend(dev).stats())
+    t = torch.tensor([float(rank + 1)], device=dev)
+    dist.all_reduce(t)  # a scalar (a gradient norm)
+    b = torch.full((1024,), float(rank), device=dev)
+    dist.broadcast(b, 1)  # 4 KiB
+    dist.barrier(device_ids=[dev.index])
+    small = stats()
+    big = torch.ones(1 << 20, device=dev)  # 4 MiB
+    dist.all_reduce(big)
+    torch.cuda.synchronize()
+    return {"values": [t.item(), b[0].item(), big[0].item()], "small": small, "after": stats()}
+
+
+@gpu_test(2)
+def test_small_collectives_are_served_by_odc():
+    """ODC_SELF_SERVE=auto, a GPU per rank: odc serves collectives of up to 1 MiB a rank (and
+    barriers) itself, so no NCCL group is made for them; larger ones go to NCCL."""
+    world = 2
+    res = run_distributed(_small_collectives_worker, world, backend=BACKEND, env=GPU_ENV, deadline_s=120)
+    for rank, r in res.items():
+        assert r["values"] == [3.0, 1.0, 2.0], (rank, r)
+        small = r["small"]
+        assert [small.get(k) for k in ("own_all_reduce_ops", "own_broadcast_ops", "own_barrier_ops")] == [1, 1, 1], (rank, small)
+        assert "delegated_ops" not in small, (rank, small)
+        assert r["after"].get("delegated_ops") == 1, (rank, r["after"])
+
+
 # ----------------------------------------------------------------------------- device_id
 def _device_id_worker(rank, world):
     """With device_id, DeviceMesh splits its groups from the default one (odc's split)."""

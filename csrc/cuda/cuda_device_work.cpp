@@ -118,6 +118,13 @@ void* current_stream(const c10::Device& device, const char* what) {
   return device.is_cuda() ? current_cuda_stream(device, what).stream() : nullptr;
 }
 
+bool stream_is_capturing(const c10::Device& device) {
+  if (!device.is_cuda()) return false;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &capturing));
+  return capturing != cudaStreamCaptureStatusNone;
+}
+
 std::unique_ptr<DeviceLaunch> begin_launch(Channel& ch, bool async_op) {
   if (!ch.device.is_cuda()) return host_launch();
   return std::make_unique<CudaLaunch>(ch, async_op);

@@ -52,6 +52,11 @@ size_t bytes_of(const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts) n += static_cast<size_t>(t.numel()) * t.element_size();
   return n;
 }
+// A list collective's bytes per rank, from the list every rank holds alike (an uneven all-gather's
+// or reduce-scatter's own tensor differs between ranks; the list's sum does not).
+size_t mean_bytes_of(const std::vector<std::vector<at::Tensor>>& lists) {
+  return lists.empty() || lists[0].empty() ? 0 : bytes_of(lists[0]) / lists[0].size();
+}
 }  // namespace
 
 
@@ -77,7 +82,8 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::reduce(std::vector<at::Tensor>& t,
 c10::intrusive_ptr<c10d::Work> OdcBackend::allgather(std::vector<std::vector<at::Tensor>>& out,
                                                      std::vector<at::Tensor>& in,
                                                      const c10d::AllgatherOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(in), bytes_of(in), own_allgather(out, in, o), allgather(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(in), mean_bytes_of(out), own_allgather(out, in, o),
+                        allgather(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
@@ -87,17 +93,19 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> OdcBackend::gather(std::vector<std::vector<at::Tensor>>& out,
                                                   std::vector<at::Tensor>& in,
                                                   const c10d::GatherOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(in), bytes_of(in), own_gather(out, in, o), gather(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(in), SIZE_MAX, own_gather(out, in, o),  // sizes may differ
+                        gather(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::scatter(std::vector<at::Tensor>& out,
                                                    std::vector<std::vector<at::Tensor>>& in,
                                                    const c10d::ScatterOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(out), bytes_of(out), own_scatter(out, in, o), scatter(out, in, o));
+  ODC_SERVE_OR_DELEGATE(device_of(out), SIZE_MAX, own_scatter(out, in, o),  // sizes may differ
+                        scatter(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter(
     std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
     const c10d::ReduceScatterOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(out), bytes_of(out), own_reduce_scatter(out, in, o),
+  ODC_SERVE_OR_DELEGATE(device_of(out), mean_bytes_of(in), own_reduce_scatter(out, in, o),
                         reduce_scatter(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall_base(at::Tensor& out, at::Tensor& in,

@@ -719,22 +719,28 @@ def _small_collectives_worker(rank, world):
     small = stats()
     big = torch.ones(1 << 20, device=dev)  # 4 MiB
     dist.all_reduce(big)
+    # uneven: rank 0's piece is small, rank 1's is not; every rank decides from the list's mean
+    sizes = [1 << 16, 1 << 19]  # 256 KiB and 2 MiB of fp32
+    pieces = [torch.empty(n, device=dev) for n in sizes]
+    dist.all_gather(pieces, torch.full((sizes[rank],), float(rank), device=dev))
     torch.cuda.synchronize()
-    return {"values": [t.item(), b[0].item(), big[0].item()], "small": small, "after": stats()}
+    return {"values": [t.item(), b[0].item(), big[0].item(), pieces[0].sum().item(), pieces[1].mean().item()],
+            "small": small, "after": stats()}
 
 
 @gpu_test(2)
 def test_small_collectives_are_served_by_odc():
     """ODC_SELF_SERVE=auto, a GPU per rank: odc serves collectives of up to 1 MiB a rank (and
-    barriers) itself, so no NCCL group is made for them; larger ones go to NCCL."""
+    barriers) itself, so no NCCL group is made for them; larger ones go to NCCL, and an uneven
+    all-gather is judged by its mean piece, alike on every rank."""
     world = 2
     res = run_distributed(_small_collectives_worker, world, backend=BACKEND, env=GPU_ENV, deadline_s=120)
     for rank, r in res.items():
-        assert r["values"] == [3.0, 1.0, 2.0], (rank, r)
+        assert r["values"] == [3.0, 1.0, 2.0, 0.0, 1.0], (rank, r)
         small = r["small"]
         assert [small.get(k) for k in ("own_all_reduce_ops", "own_broadcast_ops", "own_barrier_ops")] == [1, 1, 1], (rank, small)
         assert "delegated_ops" not in small, (rank, small)
-        assert r["after"].get("delegated_ops") == 1, (rank, r["after"])
+        assert r["after"].get("delegated_ops") == 2, (rank, r["after"])  # the 4 MiB and the uneven
 
 
 # ----------------------------------------------------------------------------- device_id

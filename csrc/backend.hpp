@@ -43,9 +43,14 @@ const char* reduce_op_name(const c10d::ReduceOp& op);  // "BAND"
 bool is_bitwise(const c10d::ReduceOp& op);           // BAND, BOR, BXOR
 std::string describe(const at::Tensor& t);         // "float32[4, 8] on cuda:0"
 c10::Device device_of(const std::vector<at::Tensor>& ts);  // the first tensor's (ValueError: none)
-// Defined, on `device`, contiguous: else a ValueError naming `api` and `what`.
+// Defined, on `device`, contiguous: else a ValueError naming `api` and `what`. `dense`: dense
+// and non-overlapping suffices (a channels-last tensor, say), for the collectives that treat
+// a tensor as its memory's elements, as NCCL does (all-reduce, reduce, broadcast).
 void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
-                  const char* what);
+                  const char* what, bool dense = false);
+// Whether odc's own reductions take `op` on `dtype` (the same on every rank: where they do not,
+// e.g. complex or fp8 tensors, a collective goes to the inner backend, which may).
+bool odc_reduces(at::ScalarType dtype, const c10d::ReduceOp& op);
 // An all-gather's (ag) or reduce-scatter's tensors: as many outputs as inputs, each pair
 // checked, of one dtype, the sizes right for `world` ranks. Returns their device.
 c10::Device check_collective(const std::vector<at::Tensor>& outputs,
@@ -196,6 +201,9 @@ class OdcBackend final : public c10d::Backend {
   // Whether odc serves a collective FSDP does not issue itself on `device` (ODC_SELF_SERVE), of
   // `bytes` per rank (SIZE_MAX where ranks may pass different sizes: never small).
   bool serves_itself(const c10::Device& device, size_t bytes);
+  // Before a CUDA collective goes to the inner NCCL group: under CUDA graph capture that group
+  // must have run eagerly before (NCCL cannot set up its communicator inside a capture).
+  void check_inner_capturable(const c10::Device& device);
 
   // The inner backend for a device type ("cpu" / "cuda"), created on first use.
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);

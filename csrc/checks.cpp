@@ -3,6 +3,8 @@
 #include "backend.hpp"
 
 #include <c10/util/Exception.h>
+
+#include <optional>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
 
@@ -10,7 +12,8 @@
 
 namespace odc {
 
-DType to_dtype(at::ScalarType t, const char* api) {
+namespace {
+std::optional<DType> dtype_of(at::ScalarType t) {  // the dtypes odc's reductions take
   switch (t) {
     case at::kFloat: return DType::F32;
     case at::kBFloat16: return DType::BF16;
@@ -21,11 +24,17 @@ DType to_dtype(at::ScalarType t, const char* api) {
     case at::kByte:
     case at::kBool: return DType::U8;
     case at::kChar: return DType::I8;
-    default:
-      C10_THROW_ERROR(TypeError, cat("odc: ", api, ": unsupported dtype ", c10::toString(t),
-                                     " (reductions support float32, bfloat16, float16, float64, "
-                                     "int32, int64, uint8, int8 and bool)"));
+    default: return std::nullopt;
   }
+}
+}  // namespace
+
+DType to_dtype(at::ScalarType t, const char* api) {
+  const std::optional<DType> d = dtype_of(t);
+  ODC_CHECK(d, TypeError, "odc: ", api, ": unsupported dtype ", c10::toString(t),
+            " (reductions support float32, bfloat16, float16, float64, int32, int64, uint8, int8 "
+            "and bool)");
+  return *d;
 }
 
 std::string describe(const at::Tensor& t) {
@@ -35,14 +44,29 @@ std::string describe(const at::Tensor& t) {
 }
 
 void check_tensor(const at::Tensor& t, const c10::Device& device, const char* api,
-                  const char* what) {
+                  const char* what, bool dense) {
   ODC_CHECK(t.defined(), ValueError, "odc: ", api, ": undefined ", what);
   ODC_CHECK(t.device() == device, ValueError, "odc: ", api, ": all tensors must be on one device, ",
             "got ", what, " ", describe(t), " and others on ", device);
   ODC_CHECK(device.is_cpu() || device.is_cuda(), ValueError, "odc: ", api,
             ": unsupported device ", device);
+  if (dense) {
+    ODC_CHECK(t.is_non_overlapping_and_dense(), ValueError, "odc: ", api, ": tensors must be dense (",
+              what, " ", describe(t), " is not); call .contiguous() first");
+    return;
+  }
   ODC_CHECK(t.is_contiguous(), ValueError, "odc: ", api, ": tensors must be contiguous (", what,
             " ", describe(t), " is not); call .contiguous() first");
+}
+
+bool odc_reduces(at::ScalarType dtype, const c10d::ReduceOp& op) {
+  if (!dtype_of(dtype)) return false;
+  switch (op.op_) {  // reduce_spec's
+    case c10d::ReduceOp::SUM: case c10d::ReduceOp::MAX: case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::PRODUCT: return true;
+    case c10d::ReduceOp::AVG: case c10d::ReduceOp::PREMUL_SUM: return at::isFloatingType(dtype);
+    default: return false;  // reduce_spec's
+  }
 }
 
 const char* reduce_op_name(const c10d::ReduceOp& op) {

@@ -37,12 +37,13 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
   } while (0)
 
 // The collectives FSDP does not issue go to the inner backend, or to odc itself where that
-// cannot serve them or they are small (serves_itself: own_collectives.cpp); `bytes`: this
-// rank's, which every rank passes alike.
+// cannot serve them or they are small (serves_itself: own_collectives.cpp). `bytes`: per rank,
+// from what every rank passes alike (SIZE_MAX: never small).
 #define ODC_SERVE_OR_DELEGATE(device, bytes, own, call) \
   do {                                                  \
     const c10::Device dev_ = (device);                  \
     if (serves_itself(dev_, (bytes))) return own;       \
+    check_inner_capturable(dev_);                       \
     ODC_DELEGATE(dev_.type(), call);                    \
   } while (0)
 
@@ -52,10 +53,26 @@ size_t bytes_of(const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts) n += static_cast<size_t>(t.numel()) * t.element_size();
   return n;
 }
-// A list collective's bytes per rank, from the list every rank holds alike (an uneven all-gather's
-// or reduce-scatter's own tensor differs between ranks; the list's sum does not).
+// A reduction's: SIZE_MAX where odc's own reductions do not take its dtype or op (NCCL may).
+size_t reduced_bytes(const std::vector<at::Tensor>& ts, const c10d::ReduceOp& op) {
+  for (const auto& t : ts) {
+    if (!odc_reduces(t.scalar_type(), op)) return SIZE_MAX;
+  }
+  return bytes_of(ts);
+}
+// A list collective's mean piece, from the list every rank holds alike (an uneven all-gather's
+// own input differs between ranks; the list's sum does not).
 size_t mean_bytes_of(const std::vector<std::vector<at::Tensor>>& lists) {
   return lists.empty() || lists[0].empty() ? 0 : bytes_of(lists[0]) / lists[0].size();
+}
+// A list reduce-scatter's piece: SIZE_MAX where the pieces differ (odc's own takes even ones
+// only; NCCL's reduces each in turn) or odc does not reduce them.
+size_t even_reduced_bytes(const std::vector<std::vector<at::Tensor>>& lists, const c10d::ReduceOp& op) {
+  if (lists.empty() || lists[0].empty()) return 0;
+  for (const auto& t : lists[0]) {
+    if (t.numel() != lists[0][0].numel()) return SIZE_MAX;
+  }
+  return reduced_bytes(lists[0], op) == SIZE_MAX ? SIZE_MAX : mean_bytes_of(lists);
 }
 }  // namespace
 
@@ -66,18 +83,19 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::broadcast(std::vector<at::Tensor>& t,
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce(std::vector<at::Tensor>& t,
                                                      const c10d::AllreduceOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t), bytes_of(t), own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce"),
+  ODC_SERVE_OR_DELEGATE(device_of(t), reduced_bytes(t, o.reduceOp),
+                        own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce"),
                         allreduce(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allreduce_coalesced(
     std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t), bytes_of(t),
+  ODC_SERVE_OR_DELEGATE(device_of(t), reduced_bytes(t, o.reduceOp),
                         own_allreduce(t, o.reduceOp, o.asyncOp, "all_reduce_coalesced"),
                         allreduce_coalesced(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::reduce(std::vector<at::Tensor>& t,
                                                   const c10d::ReduceOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(t), bytes_of(t), own_reduce(t, o), reduce(t, o));
+  ODC_SERVE_OR_DELEGATE(device_of(t), reduced_bytes(t, o.reduceOp), own_reduce(t, o), reduce(t, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::allgather(std::vector<std::vector<at::Tensor>>& out,
                                                      std::vector<at::Tensor>& in,
@@ -105,7 +123,8 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::scatter(std::vector<at::Tensor>& out,
 c10::intrusive_ptr<c10d::Work> OdcBackend::reduce_scatter(
     std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
     const c10d::ReduceScatterOptions& o) {
-  ODC_SERVE_OR_DELEGATE(device_of(out), mean_bytes_of(in), own_reduce_scatter(out, in, o),
+  ODC_SERVE_OR_DELEGATE(device_of(out), even_reduced_bytes(in, o.reduceOp),
+                        own_reduce_scatter(out, in, o),
                         reduce_scatter(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> OdcBackend::alltoall_base(at::Tensor& out, at::Tensor& in,
@@ -139,6 +158,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o
             ? *o.device
             : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(o.device_ids[0]));
     if (serves_itself(device, 0)) return own_barrier(device);
+    check_inner_capturable(device);
     ODC_DELEGATE(c10::kCUDA, barrier(o));
   }
   if (serves_itself(c10::Device(c10::kCPU), 0)) return own_barrier(c10::Device(c10::kCPU));

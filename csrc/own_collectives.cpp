@@ -66,14 +66,35 @@ bool OdcBackend::serves_itself(const c10::Device& device, size_t bytes) {
   if (options_->self_serve == SelfServe::Odc) return true;
   if (options_->self_serve == SelfServe::Inner || !device.is_cuda()) return false;
   if (!options_->nccl_available) return true;
+  // Under CUDA graph capture odc cannot serve (its collectives refuse capture) and cannot set a
+  // group up: NCCL serves, unless the group is known to share GPUs (odc then names the
+  // problem). Every rank decides alike: they capture the same region.
+  const bool capturing = stream_is_capturing(device);
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
+  if (capturing) {
+    auto it = channels_.find(device.type());
+    return it != channels_.end() && it->second.shares_device;
+  }
   const Channel& ch = channel(device);  // sets the transport up (collective) the first time
   if (!ch.hosts.empty()) return false;  // across hosts: NCCL, whose ranks never share
-  // Every rank decides alike: sharing is a fact of the group, and the ranks pass equal sizes
-  // (and capture the same region: odc's collectives cannot be captured, NCCL's can).
+  // Sharing is a fact of the group, and `bytes` is the same on every rank (delegated.cpp).
   if (ch.shares_device) return true;
-  return ch.own_gpus && bytes <= kSelfServeBytes && !stream_is_capturing(device);
+  return ch.own_gpus && bytes <= kSelfServeBytes;
+}
+
+void OdcBackend::check_inner_capturable(const c10::Device& device) {
+  if (!device.is_cuda() || !stream_is_capturing(device)) return;
+  {
+    std::lock_guard<std::mutex> lock(inner_mu_);
+    if (inners_.count(c10::kCUDA)) return;
+  }
+  C10_THROW_ERROR(Error, cat(
+      "odc: a collective captured in a CUDA graph on group '", options_->group_name,
+      "' goes to its inner NCCL group, which has not run a collective yet, and NCCL cannot set up ",
+      "its communicator inside a capture. Run one such collective before capturing: with ",
+      "ODC_SELF_SERVE=auto odc serves those of up to ", kSelfServeBytes >> 20, " MiB per rank ",
+      "itself, so run a larger one (or any with ODC_SELF_SERVE=0, which sends them all to NCCL)"));
 }
 
 void OdcBackend::own_all_reduce(Channel& ch, void* stream, uint64_t seq, const at::Tensor& t,
@@ -81,7 +102,8 @@ void OdcBackend::own_all_reduce(Channel& ch, void* stream, uint64_t seq, const a
   const int world = getSize();
   const int64_t n = t.numel();
   const int64_t part = (n + world - 1) / world;
-  const at::Tensor flat = t.view(-1);
+  // Its memory's elements, in memory order (a dense tensor's strides may be any: channels-last)
+  const at::Tensor flat = t.is_contiguous() ? t.view(-1) : t.as_strided({n}, {1});
   // Pad to world equal parts: the padding is reduced with itself and dropped.
   const bool padded = part * world != n;
   at::Tensor buf = padded ? at::empty({part * world}, t.options()) : flat;
@@ -106,7 +128,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_allreduce(std::vector<at::Tensor>
   std::vector<ReduceSpec> specs;
   std::vector<RedOp> ops;
   for (const auto& t : tensors) {
-    check_tensor(t, device, api, "tensor");
+    check_tensor(t, device, api, "tensor", /*dense=*/true);
     RedOp r;
     specs.push_back(reduce_spec(t, op, api, keep, &r));
     ops.push_back(r);
@@ -128,7 +150,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_reduce(std::vector<at::Tensor>& t
   const char* api = "reduce";
   ODC_CHECK(tensors.size() == 1, ValueError, "odc: ", api, ": one tensor expected");
   const at::Tensor& t = tensors[0];
-  check_tensor(t, t.device(), api, "tensor");
+  check_tensor(t, t.device(), api, "tensor", /*dense=*/true);
   std::vector<at::Tensor> keep{t};
   RedOp r;
   const ReduceSpec spec = reduce_spec(t, opts.reduceOp, api, keep, &r);
@@ -148,7 +170,7 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::own_broadcast(std::vector<at::Tensor>
   const char* api = "broadcast";
   ODC_CHECK(tensors.size() == 1, ValueError, "odc: ", api, ": one tensor expected");
   const at::Tensor& t = tensors[0];
-  check_tensor(t, t.device(), api, "tensor");
+  check_tensor(t, t.device(), api, "tensor", /*dense=*/true);
   const int root = static_cast<int>(opts.rootRank);
   ODC_CHECK(root >= 0 && root < getSize(), ValueError, "odc: ", api, ": root ", root,
             " is not a rank of this group");

@@ -29,7 +29,7 @@ CONFIGS = {
         "fsdp1_full_shard_bf16": dict(kind="fsdp1", mesh=(2,), strategy="FULL_SHARD", bf16=True),
         # sequence parallel + loss_parallel: all-gathers and reduce-scatters of activations
         "tp_sp_loss_parallel": dict(kind="tp", mesh=(2,), sequence_parallel=True),
-        # plain Colwise/Rowwise MLP: only all-reduces, which odc delegates to the inner group
+        # plain Colwise/Rowwise MLP: only all-reduces, small here: odc's own on GPUs, gloo's on CPU
         "tp_mlp": dict(kind="tp", mesh=(2,), sequence_parallel=False),
         "redistribute": dict(kind="redistribute", mesh=(2,)),
     },

@@ -711,36 +711,74 @@ def test_own_collectives_on_gpu(world):
 def _small_collectives_worker(rank, world):
     dev = _device()
     stats = lambda: dict(dist.group.WORLD._get_backend(dev).stats())
+    # served by odc: up to 1 MiB a rank
     t = torch.tensor([float(rank + 1)], device=dev)
     dist.all_reduce(t)  # a scalar (a gradient norm)
     b = torch.full((1024,), float(rank), device=dev)
     dist.broadcast(b, 1)  # 4 KiB
     dist.barrier(device_ids=[dev.index])
+    edge = torch.ones(1 << 18, device=dev)  # exactly 1 MiB
+    dist.all_reduce(edge)
+    cl = (torch.ones(2, 8, 4, 4, device=dev) * (rank + 1)).to(memory_format=torch.channels_last)
+    dist.all_reduce(cl)  # dense, not contiguous: as NCCL, its memory's elements
+    rs = torch.empty(256, device=dev)
+    dist.reduce_scatter(rs, [torch.full((256,), float(r + rank), device=dev) for r in range(world)])
     small = stats()
-    big = torch.ones(1 << 20, device=dev)  # 4 MiB
+    # to NCCL: past 1 MiB; an uneven all-gather whose mean piece is; a dtype odc does not reduce
+    big = torch.ones((1 << 18) + 4, device=dev)
     dist.all_reduce(big)
-    # uneven: rank 0's piece is small, rank 1's is not; every rank decides from the list's mean
-    sizes = [1 << 16, 1 << 19]  # 256 KiB and 2 MiB of fp32
+    sizes = [1 << 16, 1 << 19]  # 256 KiB and 2 MiB: rank 0's alone would be small
     pieces = [torch.empty(n, device=dev) for n in sizes]
     dist.all_gather(pieces, torch.full((sizes[rank],), float(rank), device=dev))
+    z = torch.full((4,), 1 + 1j, device=dev, dtype=torch.complex64)
+    dist.all_reduce(z)
+    after = stats()
+    # under CUDA graph capture: NCCL's (its group ran above)
+    c = torch.ones(4, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(c)
+    graph.replay()
     torch.cuda.synchronize()
-    return {"values": [t.item(), b[0].item(), big[0].item(), pieces[0].sum().item(), pieces[1].mean().item()],
-            "small": small, "after": stats()}
+    captured = stats()
+    # a group whose inner NCCL group never ran: a captured collective is refused, naming the way out
+    fresh = dist.new_group(list(range(world)))
+    f = torch.ones(4, device=dev)
+    dist.all_reduce(f, group=fresh)  # small: odc's
+    refused = ""
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            dist.all_reduce(f, group=fresh)
+    except RuntimeError as e:
+        refused = str(e)
+    torch.cuda.synchronize()
+    values = [t.item(), b[0].item(), edge[0].item(), cl.sum().item(), rs[0].item(), big[0].item(),
+              pieces[0].sum().item(), pieces[1].mean().item(), z[0].item(), c[0].item(), f[0].item()]
+    return {"values": values, "small": small, "after": after, "captured": captured,
+            "channels_last": cl.is_contiguous(memory_format=torch.channels_last), "refused": refused}
 
 
 @gpu_test(2)
 def test_small_collectives_are_served_by_odc():
     """ODC_SELF_SERVE=auto, a GPU per rank: odc serves collectives of up to 1 MiB a rank (and
-    barriers) itself, so no NCCL group is made for them; larger ones go to NCCL, and an uneven
-    all-gather is judged by its mean piece, alike on every rank."""
+    barriers) itself, so no NCCL group is made for them; larger ones, dtypes odc does not reduce
+    and captured ones go to NCCL; an uneven all-gather is judged by its mean piece, alike on
+    every rank; a captured collective on a group whose NCCL group never ran is refused."""
     world = 2
-    res = run_distributed(_small_collectives_worker, world, backend=BACKEND, env=GPU_ENV, deadline_s=120)
+    env = {**GPU_ENV, "ODC_TRANSPORT": "ipc", "ODC_SELF_SERVE": "auto"}  # CUDA IPC: every rank's own GPU
+    res = run_distributed(_small_collectives_worker, world, backend=BACKEND, env=env, deadline_s=120)
     for rank, r in res.items():
-        assert r["values"] == [3.0, 1.0, 2.0, 0.0, 1.0], (rank, r)
+        rs = float(2 * rank + 1)  # sum over ranks q of (rank + q)
+        assert r["values"] == [3.0, 1.0, 2.0, 3.0 * 256, rs, 2.0, 0.0, 1.0, 2 + 2j, 2.0, 2.0], (rank, r)
+        assert r["channels_last"], rank
         small = r["small"]
-        assert [small.get(k) for k in ("own_all_reduce_ops", "own_broadcast_ops", "own_barrier_ops")] == [1, 1, 1], (rank, small)
+        got = [small.get(k) for k in ("own_all_reduce_ops", "own_broadcast_ops", "own_barrier_ops",
+                                      "own_reduce_scatter_ops")]
+        assert got == [3, 1, 1, 1], (rank, small)
         assert "delegated_ops" not in small, (rank, small)
-        assert r["after"].get("delegated_ops") == 2, (rank, r["after"])  # the 4 MiB and the uneven
+        assert r["after"].get("delegated_ops") == 3, (rank, r["after"])  # big, uneven, complex
+        assert r["captured"].get("delegated_ops") == 4, (rank, r["captured"])
+        assert "ODC_SELF_SERVE" in r["refused"] and "capture" in r["refused"], (rank, r["refused"])
 
 
 # ----------------------------------------------------------------------------- device_id

@@ -95,6 +95,17 @@ def run_all(rank, world, dev):
     dist.all_reduce(t)
     if not same(t, torch.full((3, 5), float(world * (world + 1) // 2))):
         err("2-D all_reduce")
+    # dense but not contiguous (channels-last): reduced and broadcast as its memory's elements,
+    # as NCCL does; the layout stays
+    x = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).view(2, 3, 4, 5)
+    t = on(x * (rank + 1)).to(memory_format=torch.channels_last)
+    dist.all_reduce(t)
+    if not (same(t, x * (world * (world + 1) // 2)) and t.is_contiguous(memory_format=torch.channels_last)):
+        err("channels-last all_reduce")
+    t = on(x * (rank + 1)).to(memory_format=torch.channels_last)
+    dist.broadcast(t, src=world - 1)
+    if not same(t, x * world):
+        err("channels-last broadcast")
 
     # broadcast from every root, several sizes, bitwise
     for root in range(world):

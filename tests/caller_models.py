@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_models as fm
+from dist_utils import NVSHMEM_SUITE
 
 # name -> configuration, per world size; "kind" picks the trainer.
 CONFIGS = {
@@ -57,9 +58,11 @@ def expected_odc_ops(cfg: dict, device_type: str) -> dict[str, int]:
         return need | ({"all_gather_ops": FSDP1_UNITS * STEPS} if device_type == "cuda" else
                        {"delegated_ops": FSDP1_UNITS * STEPS})
     if kind == "tp" and not cfg["sequence_parallel"]:
-        # plain TP communicates by all-reduce only: gloo's for CPU tensors; on GPUs odc serves
-        # these small ones itself (ODC_SELF_SERVE=auto)
-        return {"own_all_reduce_ops" if device_type == "cuda" else "delegated_ops": STEPS}
+        # plain TP communicates by all-reduce only: gloo's for CPU tensors; on GPUs of their
+        # own odc serves these small ones itself (ODC_SELF_SERVE=auto), NCCL with peers over
+        # NVSHMEM
+        own = device_type == "cuda" and not NVSHMEM_SUITE
+        return {"own_all_reduce_ops" if own else "delegated_ops": STEPS}
     if kind == "redistribute":
         return {"all_gather_ops": len(redistribute_cases())}  # at least one per case
     return {"all_gather_ops": STEPS, "reduce_scatter_ops": STEPS}

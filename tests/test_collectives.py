@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import torch_odc_backend  # noqa: F401  (registers "odc" in this process too)
-from dist_utils import GPU_ENV, gpu_test, ranks_share_gpus, run_distributed
+from dist_utils import GPU_ENV, NVSHMEM_SUITE, gpu_test, ranks_share_gpus, run_distributed
 
 SMALL_RING = {"ODC_CHUNK_BYTES": "4096", "ODC_RING_SLOTS": "2"}
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
@@ -764,6 +764,8 @@ def test_small_collectives_are_served_by_odc():
     barriers) itself, so no NCCL group is made for them; larger ones, dtypes odc does not reduce
     and captured ones go to NCCL; an uneven all-gather is judged by its mean piece, alike on
     every rank; a captured collective on a group whose NCCL group never ran is refused."""
+    if NVSHMEM_SUITE:
+        pytest.skip("peers over NVSHMEM: these collectives are NCCL's")
     world = 2
     env = {**GPU_ENV, "ODC_TRANSPORT": "ipc", "ODC_SELF_SERVE": "auto"}  # CUDA IPC: every rank's own GPU
     res = run_distributed(_small_collectives_worker, world, backend=BACKEND, env=env, deadline_s=120)

@@ -66,15 +66,17 @@ bool OdcBackend::serves_itself(const c10::Device& device, size_t bytes) {
   if (options_->self_serve == SelfServe::Odc) return true;
   if (options_->self_serve == SelfServe::Inner || !device.is_cuda()) return false;
   if (!options_->nccl_available) return true;
-  // Under CUDA graph capture odc cannot serve (its collectives refuse capture) and cannot set a
-  // group up: NCCL serves, unless the group is known to share GPUs (odc then names the
-  // problem). Every rank decides alike: they capture the same region.
+  // Under CUDA graph capture odc cannot serve (its collectives refuse capture): NCCL serves
+  // where every rank has a GPU of its own. Where that is not known yet (the group's set-up,
+  // which cannot run in a capture, has not run) or ranks share GPUs, odc takes it and names
+  // the problem. Every rank decides alike: they capture the same region.
   const bool capturing = stream_is_capturing(device);
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
   if (capturing) {
     auto it = channels_.find(device.type());
-    return it != channels_.end() && it->second.shares_device;
+    if (it == channels_.end()) return true;  // odc's set-up refuses the capture, saying so
+    return it->second.shares_device;         // else NCCL's (a GPU per rank, or across hosts)
   }
   const Channel& ch = channel(device);  // sets the transport up (collective) the first time
   if (!ch.hosts.empty()) return false;  // across hosts: NCCL, whose ranks never share

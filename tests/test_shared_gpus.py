@@ -130,11 +130,15 @@ def _capture_worker(rank, world):
     inp = torch.full((1000,), float(rank), device=dev)
     out = torch.empty(world * 1000, device=dev)
     fresh = dist.new_group(list(range(world)))  # its first collective under capture: no set-up there
-    refused = [_captured(lambda: dist.all_gather_into_tensor(out, inp, group=fresh))]
+    other = dist.new_group(list(range(world)))
+    small = torch.ones(4, device=dev)
+    refused = [_captured(lambda: dist.all_gather_into_tensor(out, inp, group=fresh)),
+               _captured(lambda: dist.all_reduce(small, group=other))]  # odc's own (NCCL cannot)
     dist.all_gather_into_tensor(out, inp)  # the default group set up outside capture
     torch.cuda.synchronize()
     for async_op in (False, True):
         refused.append(_captured(lambda: dist.all_gather_into_tensor(out, inp, async_op=async_op)))
+    refused.append(_captured(lambda: dist.all_reduce(small)))
     inp.fill_(10.0 + rank)
     dist.all_gather_into_tensor(out, inp)  # nothing was issued: the group goes on
     return refused, out.cpu().tolist()

@@ -95,9 +95,10 @@ def test_bad_default_backend_under_torchrun_says_it_once_per_group(tmp_path):
     """torchrun with 2 workers: the launcher and the imports say nothing; each worker's first
     group raises the error once."""
     script = tmp_path / "worker.py"
-    script.write_text("import torch_odc_backend\nimport torch.distributed as dist\n"
+    # one write of the whole line (atomic on a pipe): the two workers' lines never interleave
+    script.write_text("import os\nimport torch_odc_backend\nimport torch.distributed as dist\n"
                       "try:\n    dist.init_process_group('cpu:odc')\n"
-                      "except ValueError as e:\n    print('raised:', e, flush=True)\n")
+                      "except ValueError as e:\n    os.write(1, f'raised: {e}\\n'.encode())\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            str(script)], env=_bad_default_env(), capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr

@@ -199,11 +199,9 @@ class OdcBackend final : public c10d::Backend {
   void publish(const std::string& key, const std::string& value);
   std::string lookup(const std::string& key);
   // Whether odc serves a collective FSDP does not issue itself on `device` (ODC_SELF_SERVE), of
-  // `bytes` per rank (SIZE_MAX where ranks may pass different sizes: never small).
+  // `bytes` per rank (SIZE_MAX where ranks may pass different sizes: never small). Raises for
+  // a captured one that neither can serve (NCCL's group never ran: no set-up inside a capture).
   bool serves_itself(const c10::Device& device, size_t bytes);
-  // Before a CUDA collective goes to the inner NCCL group: under CUDA graph capture that group
-  // must have run eagerly before (NCCL cannot set up its communicator inside a capture).
-  void check_inner_capturable(const c10::Device& device);
 
   // The inner backend for a device type ("cpu" / "cuda"), created on first use.
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType type);

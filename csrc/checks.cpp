@@ -3,10 +3,10 @@
 #include "backend.hpp"
 
 #include <c10/util/Exception.h>
-
-#include <optional>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
+
+#include <optional>
 
 #include "text.hpp"
 

@@ -43,7 +43,6 @@ c10::intrusive_ptr<c10d::Backend> OdcBackend::inner(c10::DeviceType type) {
   do {                                                  \
     const c10::Device dev_ = (device);                  \
     if (serves_itself(dev_, (bytes))) return own;       \
-    check_inner_capturable(dev_);                       \
     ODC_DELEGATE(dev_.type(), call);                    \
   } while (0)
 
@@ -72,7 +71,8 @@ size_t even_reduced_bytes(const std::vector<std::vector<at::Tensor>>& lists, con
   for (const auto& t : lists[0]) {
     if (t.numel() != lists[0][0].numel()) return SIZE_MAX;
   }
-  return reduced_bytes(lists[0], op) == SIZE_MAX ? SIZE_MAX : mean_bytes_of(lists);
+  const size_t all = reduced_bytes(lists[0], op);
+  return all == SIZE_MAX ? all : all / lists[0].size();
 }
 }  // namespace
 
@@ -158,7 +158,6 @@ c10::intrusive_ptr<c10d::Work> OdcBackend::barrier(const c10d::BarrierOptions& o
             ? *o.device
             : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(o.device_ids[0]));
     if (serves_itself(device, 0)) return own_barrier(device);
-    check_inner_capturable(device);
     ODC_DELEGATE(c10::kCUDA, barrier(o));
   }
   if (serves_itself(c10::Device(c10::kCPU), 0)) return own_barrier(c10::Device(c10::kCPU));

@@ -67,29 +67,28 @@ bool OdcBackend::serves_itself(const c10::Device& device, size_t bytes) {
   if (options_->self_serve == SelfServe::Inner || !device.is_cuda()) return false;
   if (!options_->nccl_available) return true;
   // Under CUDA graph capture odc cannot serve (its collectives refuse capture): NCCL serves
-  // where every rank has a GPU of its own. Where that is not known yet (the group's set-up,
-  // which cannot run in a capture, has not run) or ranks share GPUs, odc takes it and names
-  // the problem. Every rank decides alike: they capture the same region.
+  // where the group is set up and its ranks do not share GPUs. Where it is not set up yet (its
+  // set-up cannot run in a capture) or ranks share GPUs, odc takes it and names the problem.
+  // Every rank decides alike: they capture the same region.
   const bool capturing = stream_is_capturing(device);
-  std::lock_guard<std::mutex> lock(mu_);
-  check_usable();
-  if (capturing) {
-    auto it = channels_.find(device.type());
-    if (it == channels_.end()) return true;  // odc's set-up refuses the capture, saying so
-    return it->second.shares_device;         // else NCCL's (a GPU per rank, or across hosts)
-  }
-  const Channel& ch = channel(device);  // sets the transport up (collective) the first time
-  if (!ch.hosts.empty()) return false;  // across hosts: NCCL, whose ranks never share
-  // Sharing is a fact of the group, and `bytes` is the same on every rank (delegated.cpp).
-  if (ch.shares_device) return true;
-  return ch.own_gpus && bytes <= kSelfServeBytes;
-}
-
-void OdcBackend::check_inner_capturable(const c10::Device& device) {
-  if (!device.is_cuda() || !stream_is_capturing(device)) return;
   {
-    std::lock_guard<std::mutex> lock(inner_mu_);
-    if (inners_.count(c10::kCUDA)) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    check_usable();
+    if (!capturing) {
+      const Channel& ch = channel(device);  // sets the transport up (collective) the first time
+      if (!ch.hosts.empty()) return false;  // across hosts: NCCL, whose ranks never share
+      // Sharing is a fact of the group, and `bytes` is the same on every rank (delegated.cpp).
+      if (ch.shares_device) return true;
+      return ch.own_gpus && bytes <= kSelfServeBytes;
+    }
+    auto it = channels_.find(device.type());
+    if (it == channels_.end() || it->second.shares_device) return true;
+  }
+  // Captured, for NCCL: its communicator must exist already (NCCL cannot set one up inside a
+  // capture), which it does not where odc served every collective until now.
+  {
+    std::lock_guard<std::mutex> lock(inner_mu_);  // not under mu_: inner() takes inner_mu_ first
+    if (inners_.count(c10::kCUDA)) return false;
   }
   C10_THROW_ERROR(Error, cat(
       "odc: a collective captured in a CUDA graph on group '", options_->group_name,

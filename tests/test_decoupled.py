@@ -194,6 +194,47 @@ def _misuse(mesh):
     return out
 
 
+def _zero_outputs(mesh):
+    """FSDP2's reduce-scatter outputs (the .grad views until sync) share one zero buffer:
+    facts for test_reduce_scatter_outputs_share_one_zero_buffer."""
+    import torch_odc_backend as odc
+
+    out = {}
+    models = {how: fm.build(mesh, seed=11) for how in ("none", "zeros")}
+    for model, opt in models.values():
+        odc.decouple(model, opt)
+    grads = {}
+    for step in range(3):
+        for how, (model, opt) in models.items():
+            for mb in range(2):
+                _microbatch_loss(model, mb, step).backward()
+            if step == 0:  # before sync: every trainable .grad views the same storage
+                out["storages_before_sync"] = len({p.grad.to_local().untyped_storage().data_ptr()
+                                                   for p in model.parameters()})
+                out["grads_before_sync"] = len([p for p in model.parameters() if p.grad is not None])
+                out["nonzero_before_sync"] = sum(int(p.grad.to_local().count_nonzero())
+                                                 for p in model.parameters())
+            odc.sync(model)
+            grads[how] = [p.grad.to_local().clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad(set_to_none=(how == "none"))  # "zeros": sync adds into kept .grad
+        out[f"equal_step{step}"] = all(torch.equal(a, b) for a, b in zip(grads["none"], grads["zeros"]))
+    model, opt = models["none"]
+    _microbatch_loss(model, 0, 3).backward()
+    with torch.no_grad():  # a gradient edited during the minibatch: it would reach every group
+        next(model.parameters()).grad.to_local().add_(1.0)
+    try:
+        odc.sync(model)
+        out["edited"] = None
+    except RuntimeError as e:
+        out["edited"] = str(e)
+    opt.zero_grad()
+    _microbatch_loss(model, 1, 4).backward()
+    odc.sync(model)  # the buffer is zero again: the next minibatch syncs as usual
+    out["after_edit_finite"] = all(bool(p.grad.to_local().isfinite().all()) for p in model.parameters())
+    return out
+
+
 def _freed_worker(rank, world):
     """A decoupled model, its optimizer and its local buffers are freed once dropped."""
     import gc
@@ -256,10 +297,11 @@ def run_configs(configs, device="cpu"):
 def _worker(rank, world, configs):
     out, meshes = run_configs(configs)
     if world == 2:
-        try:
-            out["misuse"] = _misuse(meshes[((2,), None)])
-        except Exception:
-            out["misuse"] = {"error": traceback.format_exc()}
+        for key, fn in (("misuse", _misuse), ("zero_outputs", _zero_outputs)):
+            try:
+                out[key] = fn(meshes[((2,), None)])
+            except Exception:
+                out[key] = {"error": traceback.format_exc()}
     return fm.to_wire(out)
 
 
@@ -336,6 +378,21 @@ def test_misuse_is_reported(run, case, pattern):
         assert "error" not in m, f"rank {rank}:\n{m.get('error')}"
         assert m[case] is not None, f"rank {rank}: {case} raised nothing"
         assert pattern in m[case], f"rank {rank}: {case}: {m[case]}"
+
+
+def test_reduce_scatter_outputs_share_one_zero_buffer(run):
+    """Until sync, FSDP2's .grad views one zero buffer for every group (not a gradient's
+    worth of zeros beside the accumulators); sync replaces them, adds into .grad that
+    zero_grad(set_to_none=False) kept, and refuses a gradient edited during the minibatch."""
+    res = run(2)
+    for rank in sorted(res):
+        z = res[rank]["zero_outputs"]
+        assert "error" not in z, f"rank {rank}:\n{z.get('error')}"
+        assert z["grads_before_sync"] > 4 and z["storages_before_sync"] == 1, z
+        assert z["nonzero_before_sync"] == 0, z
+        assert all(z[f"equal_step{s}"] for s in range(3)), z
+        assert z["edited"] is not None and "written during backward" in z["edited"], z
+        assert z["after_edit_finite"], z
 
 
 def test_early_reduction_order_is_backwards_and_skips_frozen_groups():

@@ -160,6 +160,50 @@ class _AllGather:
         return None
 
 
+class ZeroOutputs:
+    """The outputs of decoupled mode's reduce-scatters, which stay zero (sync writes the
+    gradients). FSDP2 makes each parameter's ``.grad`` a view of its group's output until
+    sync, so separate zeros would hold a second gradient's worth of memory (4 bytes a
+    parameter in fp32) beside the owners' accumulators through every backward. Every group
+    shares one buffer per dtype and device instead, as large as the largest group's output;
+    sync replaces the views with the gradients and checks that nothing wrote into it."""
+
+    def __init__(self, largest: int):
+        self.largest = largest  # the largest group's output, in elements
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.handed: set[int] = set()  # storages handed out since the last sync
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self.buffers.get((dtype, device))
+        if buf is None:
+            buf = self.buffers[(dtype, device)] = torch.zeros(max(numel, self.largest), dtype=dtype,
+                                                              device=device)
+        self.handed.add(buf.untyped_storage().data_ptr())
+        return buf[:numel]  # storage offset 0: FSDP2 views it with as_strided from there
+
+    def aliases(self, grad: torch.Tensor) -> bool:
+        """Whether a ``.grad`` (its local tensor) is a view of a buffer handed out."""
+        return grad.untyped_storage().data_ptr() in self.handed
+
+    def check_and_forget(self) -> None:
+        """At sync, after every view was replaced: raise if anything wrote into a buffer
+        (it would have reached every group's ``.grad`` views), then zero it again."""
+        written = [buf for buf in self.buffers.values()
+                   if buf.numel() and torch.stack(buf.aminmax()).ne(0).any().item()]
+        for buf in written:
+            buf.zero_()
+        self.handed.clear()
+        if written:
+            raise RuntimeError(
+                "odc decoupled mode: a parameter's .grad was written during backward (by a "
+                "post-accumulate-grad hook, an FSDP all-reduce hook, or an in-place edit between "
+                "microbatches?). Until odc.sync, .grad is a view of zeros that every parameter "
+                "group shares; edit gradients after odc.sync (or optimizer.step's pre-hook)")
+
+    def release(self) -> None:
+        self.buffers.clear()
+
+
 class _ReduceScatter:
     """FSDP2 reduce-scatter comm: add this rank's rows into the owners' accumulators; FSDP's
     own output stays zero (sync writes the gradients)."""
@@ -176,6 +220,8 @@ class _ReduceScatter:
             # stands in: a full one would hold a gradient's worth of zeros for the whole run
             # (torch 2.11 never frees it), and any use of it as a gradient fails loudly.
             return torch.empty(0, dtype=dtype, device=device)
+        if math.prod(size) == g.grad_numel:  # the output, never written (the shard group has 2+ ranks)
+            return g.state.zero_outputs.get(g.grad_numel, dtype, torch.device(device))
         return torch.zeros(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):

@@ -59,7 +59,7 @@ from ._core import _C
 from ._C import OdcBackend
 from ._arena_sizing import _policies, plan_of_groups
 from ._arena_sizing import arena_bytes  # noqa: F401 - still importable from here, as before
-from ._decoupled_groups import _AllGather, _Group, _ReduceScatter, problem_text
+from ._decoupled_groups import ZeroOutputs, _AllGather, _Group, _ReduceScatter, problem_text
 from ._early_reduction import _EarlyReduction, reduction_order
 
 # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns there)
@@ -195,6 +195,8 @@ class DecoupledState:
         if self.device.type == "cuda":
             _make_room_in_nvshmem_slab(plan, backend.options)
         self._arena_sizes = plan.sizes
+        # the reduce-scatters' outputs, one zero buffer shared by every group
+        self.zero_outputs = ZeroOutputs(max(g.grad_numel for g in self.groups))
         self.arena = backend.create_arena(self.device, *plan.sizes)
         # odc.release: the arena (and accumulate="local"'s buffers) given back until odc.restore
         self.released = False
@@ -318,6 +320,7 @@ class DecoupledState:
         self.in_use = True
         with _range("odc.sync"), torch.no_grad(), self._unusable_on_error():
             self._sync()
+        self.zero_outputs.check_and_forget()  # the gradients written are right either way
 
     def release(self) -> None:
         if self.released:
@@ -332,6 +335,7 @@ class DecoupledState:
         for g in self.groups:  # no reference to the local shards (their storage may be offloaded)
             g.published = None
             g.local_acc = None
+        self.zero_outputs.release()
         self.released = True
 
     def restore(self) -> None:
@@ -417,6 +421,8 @@ class DecoupledState:
                 val = acc[off:off + local.numel()].view(local.shape).to(device=local.device,
                                                                         dtype=p.dtype)
                 off += padded
+                if p.grad is not None and self.zero_outputs.aliases(p.grad.to_local()):
+                    p.grad = None  # FSDP2's view of the shared zero output (ZeroOutputs)
                 if p.grad is None and local.device.type == p.device_mesh.device_type:
                     p.grad = DTensor.from_local(val, p.device_mesh, p.placements,
                                                 shape=p.shape, stride=p.stride())

@@ -195,8 +195,7 @@ class DecoupledState:
         if self.device.type == "cuda":
             _make_room_in_nvshmem_slab(plan, backend.options)
         self._arena_sizes = plan.sizes
-        # the reduce-scatters' outputs, one zero buffer shared by every group
-        self.zero_outputs = ZeroOutputs(max(g.grad_numel for g in self.groups))
+        self.zero_outputs = ZeroOutputs(max(g.grad_numel for g in self.groups))  # FSDP2's RS outputs
         self.arena = backend.create_arena(self.device, *plan.sizes)
         # odc.release: the arena (and accumulate="local"'s buffers) given back until odc.restore
         self.released = False

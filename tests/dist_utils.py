@@ -7,8 +7,10 @@ deadline or dies makes the whole call fail with every rank's traceback.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -81,6 +83,10 @@ def _context():
 def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, queue, device_id,
             caller_env):
     try:
+        # SIGUSR1 writes every thread's Python stack to a file the caller reads when this rank
+        # misses the deadline (run_distributed): a hang then says where it is
+        stacks = open(_stack_file(store_path, rank), "w")  # noqa: SIM115 (open for the process' life)
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         # the caller's environment now, as a spawned process gets it (a forked one has the
         # server's, from when it started)
         os.environ.clear()
@@ -119,6 +125,31 @@ def _worker(rank, world_size, store_path, backend, timeout_s, fn, args, env, que
         queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including KeyboardInterrupt
         queue.put((rank, "err", traceback.format_exc()))
+
+
+def _stack_file(store_path: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(store_path), f"stacks_rank{rank}.txt")
+
+
+def _stacks_of_hung(procs, store_path: str) -> dict[int, str]:
+    """The Python stacks of the workers still alive (SIGUSR1: see _worker)."""
+    alive = {r: p for r, p in enumerate(procs) if p.is_alive()}
+    if not alive:
+        return {}
+    for p in alive.values():
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(1.0)  # the handler writes from the interpreter's next check
+    out = {}
+    for r in alive:
+        try:
+            with open(_stack_file(store_path, r)) as f:
+                out[r] = f.read()[-6000:] or "(nothing written: stuck outside the interpreter?)"
+        except OSError as e:
+            out[r] = f"(no stack: {e})"
+    return out
 
 
 def run_distributed(
@@ -163,6 +194,7 @@ def run_distributed(
             except Exception:
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     break
+        hung = {} if len(results) == world_size else _stacks_of_hung(procs, store_path)
         for p in procs:
             p.join(timeout=max(0.1, end - time.monotonic()) if len(results) == world_size else 0.1)
             if p.is_alive():
@@ -181,6 +213,8 @@ def run_distributed(
         msg = [f"distributed run failed: missing ranks {missing} (hung or died)"]
         for r, tb in sorted(unexpected.items()):
             msg.append(f"--- rank {r} ---\n{tb}")
+        for r, stack in sorted(hung.items()):
+            msg.append(f"--- rank {r}, still running at the deadline: its Python stacks ---\n{stack}")
         raise AssertionError("\n".join(msg))
     return {r: pickle.loads(payload) if s == "ok" else payload for r, (s, payload) in results.items()}
 

@@ -170,29 +170,25 @@ class ZeroOutputs:
 
     def __init__(self, largest: int):
         self.largest = largest  # the largest group's output, in elements
-        self.buffers: dict[tuple, torch.Tensor] = {}
-        self.handed: set[int] = set()  # storages handed out since the last sync
+        self.buffers: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> its zeros
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self.buffers.get((dtype, device))
         if buf is None:
-            buf = self.buffers[(dtype, device)] = torch.zeros(max(numel, self.largest), dtype=dtype,
-                                                              device=device)
-        self.handed.add(buf.untyped_storage().data_ptr())
+            buf = self.buffers[(dtype, device)] = torch.zeros(self.largest, dtype=dtype, device=device)
         return buf[:numel]  # storage offset 0: FSDP2 views it with as_strided from there
 
     def aliases(self, grad: torch.Tensor) -> bool:
-        """Whether a ``.grad`` (its local tensor) is a view of a buffer handed out."""
-        return grad.untyped_storage().data_ptr() in self.handed
+        """Whether a ``.grad`` (its local tensor) is a view of one of the buffers."""
+        at = grad.untyped_storage().data_ptr()
+        return any(at == buf.untyped_storage().data_ptr() for buf in self.buffers.values())
 
-    def check_and_forget(self) -> None:
+    def check(self) -> None:
         """At sync, after every view was replaced: raise if anything wrote into a buffer
-        (it would have reached every group's ``.grad`` views), then zero it again."""
-        written = [buf for buf in self.buffers.values()
-                   if buf.numel() and torch.stack(buf.aminmax()).ne(0).any().item()]
+        (it would have reached every group's ``.grad`` views), zeroing it again first."""
+        written = [buf for buf in self.buffers.values() if torch.stack(buf.aminmax()).ne(0).any().item()]
         for buf in written:
             buf.zero_()
-        self.handed.clear()
         if written:
             raise RuntimeError(
                 "odc decoupled mode: a parameter's .grad was written during backward (by a "
